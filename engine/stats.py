@@ -1,0 +1,20 @@
+"""Counters the engine keeps for metrics and logs; read after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # tokens found there (cumulative)
+    num_preemptions: int = 0  # cumulative
+    prompt_tokens: int = 0  # cumulative prompt tokens computed (cache hits excluded)
+    generation_tokens: int = 0  # cumulative sampled tokens
+    num_steps: int = 0
+    last_step_tokens: int = 0  # tokens in the last step's batch
+    last_step_seqs: int = 0  # requests in the last step's batch

@@ -1,0 +1,65 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+Pure Python: the scheduler reads the stop conditions, the engine's sampler and
+detokenizer read the rest. `engine` re-exports it as `engine.SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; N: the sampled token's plus the top N
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def verify(self) -> None:
+        """Raise ValueError naming the offending field; the server turns it into a 400."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0.0, "repetition_penalty",
+             f"must be > 0, got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}")

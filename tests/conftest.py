@@ -1,0 +1,12 @@
+"""Suite-wide set-up: an offline, repo-local model cache shared by every test run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# The default model's GGUF is converted once into this cache; a fresh clone pays
+# the conversion in its first run only.
+os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
