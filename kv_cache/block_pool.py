@@ -1,0 +1,194 @@
+"""The block pool: every KV block, the free queue and the prefix-cache map.
+
+Block states:
+- in use: ref_cnt > 0, not in the free queue;
+- free: ref_cnt == 0, in the free queue exactly once. A free block that still
+  has a hash is a cached block that can be revived by a hit (`touch`) until it
+  reaches the queue's head and is popped, which evicts it.
+
+A block carries a hash exactly when the map points to it under that hash. When
+two requests compute the same block at once (block tables are append-only, so
+neither can switch to the other's copy) only the first is cached; the second
+stays an anonymous duplicate and disappears when its request is freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kv_cache.block import BlockHash, FreeBlockQueue, KVCacheBlock
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_id: int
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None  # None for a sequence's first block
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_id: int
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+EventListener = Callable[[KVCacheEvent], None]
+
+
+class BlockPool:
+    __slots__ = (
+        "num_blocks",
+        "enable_caching",
+        "blocks",
+        "free_block_queue",
+        "cached_hash_to_block",
+        "event_listener",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        event_listener: EventListener | None = None,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.event_listener = event_listener
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (held by at least one request)."""
+        return 1.0 - len(self.free_block_queue) / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop blocks from the free head (LRU first), evicting cached ones."""
+        if num_blocks > len(self.free_block_queue):
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only {len(self.free_block_queue)} are free"
+            )
+        popleft = self.free_block_queue.popleft
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self.cached_hash_to_block[block_hash]
+        block.block_hash = None
+        if self.event_listener is not None:
+            self.event_listener(BlockRemoved(block.block_id, block_hash))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on hit blocks; a free one leaves the queue so it
+        cannot be evicted while in use."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference on each block; those reaching 0 go to the free tail
+        in the given order (first given = evicted first)."""
+        append = self.free_block_queue.append
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Cache blocks[num_cached_blocks:num_full_blocks], which just became
+        full; block_hashes[i] is the hash of blocks[i]."""
+        if not self.enable_caching:
+            return
+        cached = self.cached_hash_to_block
+        listener = self.event_listener
+        for i in range(num_cached_blocks, num_full_blocks):
+            block_hash = block_hashes[i]
+            if block_hash in cached:
+                continue  # a duplicate: see the module docstring
+            block = blocks[i]
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            block.block_hash = block_hash
+            cached[block_hash] = block
+            if listener is not None:
+                parent = block_hashes[i - 1] if i > 0 else None
+                listener(BlockStored(block.block_id, block_hash, parent))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use,
+        since a running request may still write into or read from them."""
+        if len(self.free_block_queue) != self.num_blocks:
+            return False
+        for block in self.cached_hash_to_block.values():
+            block.block_hash = None
+        self.cached_hash_to_block.clear()
+        if self.event_listener is not None:
+            self.event_listener(AllBlocksCleared())
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (tests)."""
+        self.free_block_queue.check_links()
+        in_queue = {block.block_id for block in self.free_block_queue}
+        for block in self.blocks:
+            if block.ref_cnt < 0:
+                raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            if block.ref_cnt == 0 and block.block_id not in in_queue:
+                raise AssertionError(f"block {block.block_id} has ref_cnt 0 but is not free")
+            if block.ref_cnt > 0 and block.block_id in in_queue:
+                raise AssertionError(
+                    f"block {block.block_id} is in use (ref_cnt {block.ref_cnt}) "
+                    f"but sits in the free queue"
+                )
+            if block.block_id not in in_queue and (
+                block.prev_free is not None or block.next_free is not None
+            ):
+                raise AssertionError(f"block {block.block_id} is not free but has queue links")
+            if block.block_hash is not None and (
+                self.cached_hash_to_block.get(block.block_hash) is not block
+            ):
+                raise AssertionError(
+                    f"block {block.block_id} carries a hash the cache map does not give to it"
+                )
+        for block_hash, block in self.cached_hash_to_block.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(
+                    f"cache map entry points to block {block.block_id}, "
+                    f"which carries a different hash"
+                )
+        if not self.enable_caching and self.cached_hash_to_block:
+            raise AssertionError("caching is off but the cache map is not empty")

@@ -1,0 +1,292 @@
+"""KVCacheManager: per-request block tables on top of the block pool.
+
+The scheduler's calls, per step:
+- new (or resumed) request: `hits, n = get_computed_blocks(req)`, then
+  `allocate_slots(req, num_new_tokens, hits)` with req.num_computed_tokens
+  still 0; on success the caller advances num_computed_tokens by
+  n + num_new_tokens.
+- running request: `allocate_slots(req, num_new_tokens)` (decode: 1, after
+  the sampled token was appended to all_token_ids).
+- request leaves (finished, aborted, preempted): `free(req)`. Call it for a
+  waiting request that was looked up too: the manager keeps its block hashes
+  between the lookup and the allocation (so a request that keeps failing to
+  get blocks is not rehashed every step) and only `free` drops them.
+
+`req` is any object with request_id, all_token_ids, num_computed_tokens and
+extra_keys. Requests are keyed by request_id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kv_cache.block import BlockHash, KVCacheBlock
+from kv_cache.block_pool import BlockPool, EventListener
+from kv_cache.hashing import get_block_hasher
+from kv_cache.stats import PrefixCacheStats
+
+
+class RequestLike(Protocol):
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    extra_keys: tuple
+
+
+class _RequestState:
+    """What the manager remembers about one request."""
+
+    __slots__ = (
+        "blocks",
+        "block_ids",
+        "block_hashes",
+        "num_cached_blocks",
+        "extra",
+        "pending_lookup",
+    )
+
+    def __init__(self, extra: object) -> None:
+        self.blocks: list[KVCacheBlock] = []  # the block table, append-only
+        self.block_ids: list[int] = []  # the same as ids, so get_block_ids is a copy
+        # Hashes of the request's full blocks of known tokens, computed once
+        # and extended as the request grows.
+        self.block_hashes: list[BlockHash] = []
+        # blocks[:num_cached_blocks] have been offered to the cache.
+        self.num_cached_blocks = 0
+        self.extra = extra  # extra_keys in the hasher's per-request form
+        # (tokens looked up, hit tokens) of the last lookup, counted in the
+        # stats once the allocation that follows it succeeds: a request that
+        # waits several steps for blocks is looked up, but counted, once.
+        self.pending_lookup: tuple[int, int] | None = None
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = "builtin",
+        event_listener: EventListener | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self._hasher = get_block_hasher(hash_algo)
+        self.block_pool = BlockPool(num_blocks, enable_caching, event_listener)
+        self.stats = PrefixCacheStats()
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.block_pool.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def _state(self, req: RequestLike) -> _RequestState:
+        state = self._requests.get(req.request_id)
+        if state is None:
+            state = _RequestState(self._hasher.prepare_extra(req.extra_keys))
+            self._requests[req.request_id] = state
+        return state
+
+    def get_computed_blocks(self, req: RequestLike) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks at the start of
+        req.all_token_ids, and the number of tokens they hold.
+
+        Capped at len(all_token_ids) - 1 tokens: the last token must be
+        computed to get logits, so a fully cached prompt gives up its last
+        block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        state = self._state(req)
+        token_ids = req.all_token_ids
+        num_tokens = len(token_ids)
+        block_size = self.block_size
+        hashes = state.block_hashes
+        num_full = num_tokens // block_size
+        if len(hashes) < num_full:
+            self._hasher.extend(hashes, token_ids, block_size, state.extra, num_full)
+        lookup = self.block_pool.cached_hash_to_block.get
+        hits: list[KVCacheBlock] = []
+        for i in range((num_tokens - 1) // block_size):
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * block_size
+        state.pending_lookup = (num_tokens, num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        req: RequestLike,
+        num_new_tokens: int,
+        hits: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens more tokens (after the hits, if any).
+
+        Returns the newly allocated blocks, or None with nothing changed when
+        the pool is short. Blocks that become full of known tokens are cached
+        right away, so later requests in the same step can hit them.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._requests.get(req.request_id)
+        if state is None:
+            if hits:
+                raise ValueError("hits must come from get_computed_blocks for this request")
+            state = _RequestState(self._hasher.prepare_extra(req.extra_keys))
+        blocks = state.blocks
+        block_size = self.block_size
+        num_hits = len(hits)
+        num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_new_blocks = -(-num_tokens // block_size) - len(blocks) - num_hits
+
+        # Hit blocks with ref_cnt 0 sit in the free queue: touching them uses
+        # up free blocks just like allocating does.
+        num_needed = max(num_new_blocks, 0)
+        if num_hits:
+            if not self.enable_caching:
+                raise ValueError("hits given but prefix caching is off")
+            self._check_hits(state, hits)
+            num_needed += sum(1 for block in hits if block.ref_cnt == 0)
+        pool = self.block_pool
+        if num_needed > len(pool.free_block_queue):
+            return None
+
+        self._requests[req.request_id] = state
+        if state.pending_lookup is not None:
+            self._count_lookup(state)
+        if num_hits:
+            pool.touch(hits)
+            blocks.extend(hits)
+            state.block_ids.extend([block.block_id for block in hits])
+            state.num_cached_blocks = num_hits
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            state.block_ids.extend([block.block_id for block in new_blocks])
+        else:
+            new_blocks = []
+
+        if self.enable_caching:
+            token_ids = req.all_token_ids
+            # Only blocks whose token ids are all known can be hashed.
+            num_full = min(num_tokens, len(token_ids)) // block_size
+            if num_full > state.num_cached_blocks:
+                self._cache_blocks(state, token_ids, num_full)
+        return new_blocks
+
+    def _count_lookup(self, state: _RequestState) -> None:
+        assert state.pending_lookup is not None
+        num_tokens, num_hit_tokens = state.pending_lookup
+        state.pending_lookup = None
+        stats = self.stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
+
+    def _check_hits(self, state: _RequestState, hits: Sequence[KVCacheBlock]) -> None:
+        """Reject hits that are not this request's prefix any more, e.g. a hit
+        evicted by another allocation between lookup and allocation."""
+        if state.blocks:
+            raise ValueError("hits can only be given to a request that holds no blocks yet")
+        hashes = state.block_hashes
+        if len(hits) > len(hashes):
+            raise ValueError("more hits than the request has full blocks")
+        for block, block_hash in zip(hits, hashes[: len(hits)], strict=True):
+            if block.block_hash != block_hash:
+                raise ValueError(
+                    f"stale hit: block {block.block_id} no longer holds this request's prefix; "
+                    f"call allocate_slots right after get_computed_blocks"
+                )
+
+    def _cache_blocks(self, state: _RequestState, token_ids: list[int], num_full: int) -> None:
+        hashes = state.block_hashes
+        if len(hashes) < num_full:
+            self._hasher.extend(hashes, token_ids, self.block_size, state.extra, num_full)
+        self.block_pool.cache_full_blocks(state.blocks, hashes, state.num_cached_blocks, num_full)
+        state.num_cached_blocks = num_full
+
+    def free(self, req: RequestLike | str) -> None:
+        """Release a request's blocks and forget it (no-op if unknown).
+
+        Tail blocks go to the free queue first: they hash the longest
+        prefixes, are the least likely to be reused, so they are evicted first.
+        """
+        request_id = req if isinstance(req, str) else req.request_id
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.blocks:
+            self.block_pool.free_blocks(reversed(state.blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy); [] for an unknown request."""
+        state = self._requests.get(request_id)
+        return list(state.block_ids) if state is not None else []
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        state = self._requests.get(request_id)
+        return list(state.blocks) if state is not None else []
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be evicted) first."""
+        return [block.block_id for block in self.block_pool.free_block_queue]
+
+    def cached_block_ids(self) -> set[int]:
+        return {block.block_id for block in self.block_pool.cached_hash_to_block.values()}
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False (nothing done) while any is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (tests)."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders = [0] * pool.num_blocks
+        for request_id, state in self._requests.items():
+            ids = [block.block_id for block in state.blocks]
+            if ids != state.block_ids:
+                raise AssertionError(f"request {request_id}: block ids disagree with its blocks")
+            if len(set(ids)) != len(ids):
+                raise AssertionError(f"request {request_id} holds a block twice: {ids}")
+            if state.num_cached_blocks > len(state.blocks):
+                raise AssertionError(f"request {request_id}: more cached blocks than blocks")
+            for block_id in ids:
+                holders[block_id] += 1
+            num_cached = state.num_cached_blocks
+            if len(state.block_hashes) < num_cached:
+                raise AssertionError(f"request {request_id}: cached blocks without hashes")
+            for block in state.blocks[num_cached:]:
+                # Only this request could have cached it, and it has not yet.
+                if block.block_hash is not None:
+                    raise AssertionError(
+                        f"request {request_id}: block {block.block_id} is past the "
+                        f"request's cached blocks but carries a hash (not evicted?)"
+                    )
+            for block, block_hash in zip(
+                state.blocks[:num_cached], state.block_hashes[:num_cached], strict=True
+            ):
+                # A held cached block keeps its hash; a duplicate has none.
+                if block.block_hash is not None and block.block_hash != block_hash:
+                    raise AssertionError(
+                        f"request {request_id}: block {block.block_id} carries another "
+                        f"prefix's hash"
+                    )
+        for block in pool.blocks:
+            if block.ref_cnt != holders[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                    f"{holders[block.block_id]} block tables hold it"
+                )
