@@ -38,7 +38,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, temperature scaling overflows float32 logits: treat as greedy.
+        return self.temperature < 1e-5
 
     def verify(self) -> None:
         """Raise ValueError naming the offending field; the server turns it into a 400."""

@@ -1,0 +1,17 @@
+"""Continuous-batching scheduler: requests, queues, token budget, chunked prefill, preemption."""
+
+from scheduler.config import SchedulerConfig
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]

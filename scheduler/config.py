@@ -1,0 +1,45 @@
+"""Scheduler limits: batch size, token budget, context length and the KV pool's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX_CACHE_HASHES = ("builtin", "sha256")
+
+
+@dataclass
+class SchedulerConfig:
+    # Running requests at most. A budget below it needs no check: a request is only
+    # admitted when every running one got a token, so running <= budget anyway.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most (prefill + decode)
+    max_model_len: int = 2048  # prompt + output tokens at most
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 1024  # KV blocks in the pool
+    enable_prefix_caching: bool = True
+    prefix_cache_hash: str = "builtin"  # "sha256" for multi-tenant safety
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the offending field."""
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "num_blocks",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
+            raise ValueError(
+                f"prefix_cache_hash must be one of {PREFIX_CACHE_HASHES}, "
+                f"got {self.prefix_cache_hash!r}"
+            )

@@ -1,0 +1,37 @@
+"""What one `Scheduler.schedule()` call asks the model runner to compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step (a fresh list)
+    num_computed_tokens: int  # tokens already in the KV cache = position of token_ids[0]
+    # The request's whole block table. A tuple that the scheduler replaces (never
+    # mutates) when blocks are added, so it stays valid however long a reader keeps it.
+    block_ids: tuple[int, ...]
+    # True when the next token after the last position is wanted this step: a decode,
+    # or the chunk that completes the prompt (or a preempted request's recomputation).
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests finished or aborted since the previous schedule(): the model runner
+    # drops whatever state it keeps for them.
+    finished_ids: set[str] = field(default_factory=set)
+    num_batched_tokens: int = 0
+    # Requests preempted by this step: their blocks are freed; they will be
+    # recomputed from the start (mostly from cached blocks) when readmitted.
+    preempted_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.scheduled if s.sample)

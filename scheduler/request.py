@@ -1,0 +1,137 @@
+"""One generation request as the scheduler tracks it: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Collection, Sequence
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in `waiting`, blocks freed, to be recomputed
+    FINISHED_STOPPED = "finished_stopped"  # eos, a stop token id or (engine) a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt plus the tokens generated so far.
+
+    `all_token_ids` is one list kept in sync with `output_token_ids` (both are
+    appended to) because the KV cache manager reads it every step; rebuilding
+    it on access would cost O(length) per request per step.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "eos_token_ids",
+        "stop_screen",
+        "cache_salt",
+        "arrival_time",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "status",
+        "extra_keys",
+        "num_cached_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "block_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | Collection[int] | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if len(prompt_token_ids) == 0:  # len, not truthiness: arrays are accepted too
+            raise ValueError("prompt_token_ids must not be empty")
+        if cache_salt is not None and not cache_salt:
+            raise ValueError("cache_salt must be non-empty when given")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # One id, or several (models with an end-of-text and an end-of-turn token).
+        self.eos_token_id = eos_token_id
+        self.eos_token_ids: frozenset[int] = (
+            frozenset()
+            if eos_token_id is None
+            else frozenset((eos_token_id,))
+            if isinstance(eos_token_id, int)
+            else frozenset(eos_token_id)
+        )
+        # Every token that may stop the request, for a one-lookup screen per step;
+        # the exact rules (ignore_eos, min_tokens) run only on a match.
+        self.stop_screen = self.eos_token_ids | frozenset(sampling_params.stop_token_ids)
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Tokens whose KV is in the cache (or is being written by the step just scheduled).
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        # Anything besides the tokens that makes the KV differ: the salt keeps one
+        # tenant's cached blocks invisible to another.
+        self.extra_keys: tuple = (cache_salt,) if cache_salt is not None else ()
+        # Prompt tokens served from the prefix cache at first admission; -1 until then.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # The token id (or, set by the engine, the stop string) that stopped the request.
+        self.stop_reason: int | str | None = None
+        # The block table as the scheduler hands it out: a tuple, so one object can be
+        # shared with every step's output at no cost and never changes under a reader.
+        self.block_ids: tuple[int, ...] = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop" | "length" | "abort", or None while the request is unfinished."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,299 @@
+"""Continuous batching over the paged KV cache (vLLM v1 style).
+
+Each step has one token budget (`max_num_batched_tokens`) shared by prefill
+and decode. Running requests go first, in admission order: one decode token
+each, or the next chunk of an unfinished prompt. Then waiting requests are
+admitted first-come first-served while the budget and `max_num_seqs` allow,
+each starting from its longest cached prefix; a prompt longer than the budget
+left is prefilled in chunks over several steps.
+
+When a running request cannot get a block, the most recently admitted running
+request is preempted by recompute: its blocks are freed and it goes back to
+the head of `waiting`, to be recomputed later (mostly from cached blocks).
+
+Bookkeeping convention: `schedule()` advances `num_computed_tokens` by the
+tokens it schedules (the KV manager's contract: allocate, then advance), so
+after `schedule()` a request counts this step's tokens as computed.
+`update_from_output()` only appends the sampled tokens and applies the stop
+rules. A request's next step computes `all_token_ids[num_computed_tokens:]`
+(the last sampled token in decode), and samples when that reaches the end of
+`all_token_ids`, so a resumed preempted request never re-samples a token it
+already has.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from kv_cache import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        config.verify()
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_cache_hash,
+        )
+        self.requests: dict[str, Request] = {}  # unfinished: waiting + running
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the head
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()  # since the last schedule()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run within the limits."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        self._check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        cfg = self.config
+        num_prompt = request.num_prompt_tokens
+        if num_prompt + 1 > cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt} tokens leaves no room for an output token: "
+                f"prompt + 1 must be <= max_model_len={cfg.max_model_len}"
+            )
+        # The KV cache holds every token but the last one sampled, so a request
+        # that runs to its end needs this many tokens' worth of blocks at once.
+        max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
+        needed_blocks = -(-(max_len - 1) // cfg.block_size)
+        if needed_blocks > cfg.num_blocks:
+            raise ValueError(
+                f"request needs up to {needed_blocks} KV blocks ({max_len - 1} tokens: prompt "
+                f"{num_prompt} + max_tokens {request.sampling_params.max_tokens} - 1, "
+                f"block_size={cfg.block_size}) but the cache has num_blocks={cfg.num_blocks}"
+            )
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests in any state; their blocks are freed at once. Unknown ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (the engine's stop strings, aborts): frees their blocks."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        removed: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            # Waiting requests too: the manager keeps a looked-up request's block
+            # hashes until free() (a no-op for a request it does not know).
+            self.kv_cache_manager.free(request)
+            request.status = status
+            self._retire(request)
+            removed.append(request)
+        if removed:
+            # One pass over each queue, however many requests were removed.
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    def _retire(self, request: Request) -> None:
+        """Forget a finished request (its blocks are already freed; queues are fixed by the caller)."""
+        request.block_ids = ()
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: set[str] = set()
+        max_tokens = self.config.max_num_batched_tokens
+        budget = self._schedule_running(max_tokens, scheduled, preempted_ids)
+        # After a preemption memory is short: admitting newcomers would only evict
+        # the blocks the preempted request will want back.
+        if not preempted_ids:
+            budget = self._schedule_waiting(budget, scheduled)
+        finished_ids, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, finished_ids, max_tokens - budget, preempted_ids)
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted_ids: set[str]
+    ) -> int:
+        # The per-step hot loop (one pass per running request): locals, no calls
+        # besides the KV manager's.
+        allocate = self.kv_cache_manager.allocate_slots
+        make = ScheduledRequest
+        running = self.running
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            all_ids = request.all_token_ids
+            num_tokens = len(all_ids)
+            start = request.num_computed_tokens
+            # 1 in decode (the last sampled token); the rest of the prompt in chunked prefill.
+            num_new = num_tokens - start
+            if num_new > budget:
+                num_new = budget
+            new_blocks = allocate(request, num_new)
+            while new_blocks is None:
+                # Victims come from the tail, which this loop has not reached yet,
+                # so nothing already scheduled this step loses its blocks.
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    return budget
+                new_blocks = allocate(request, num_new)
+            if new_blocks:
+                request.block_ids += tuple([block.block_id for block in new_blocks])
+            end = start + num_new
+            request.num_computed_tokens = end
+            scheduled.append(
+                make(
+                    request,
+                    request.request_id,
+                    all_ids[start:end],
+                    start,
+                    request.block_ids,
+                    end == num_tokens,
+                )
+            )
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        mgr = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        max_num_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            request = waiting[0]
+            hits, num_hit_tokens = mgr.get_computed_blocks(request)
+            num_new = len(request.all_token_ids) - num_hit_tokens
+            if num_new > budget:
+                num_new = budget
+            new_blocks = mgr.allocate_slots(request, num_new, hits)
+            if new_blocks is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            waiting.popleft()
+            request.block_ids = tuple([block.block_id for block in hits]) + tuple(
+                [block.block_id for block in new_blocks]
+            )
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = _RUNNING
+            running.append(request)
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _make_scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        all_ids = request.all_token_ids
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request,
+            request.request_id,
+            all_ids[start:end],
+            start,
+            request.block_ids,
+            end == len(all_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks and requeue at the head of `waiting`."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.block_ids = ()
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token and apply the stop rules.
+
+        `sampled` maps request id -> token for every scheduled request with
+        `sample=True` (requests finished since schedule(), e.g. aborted, are
+        skipped). Finished requests free their blocks now and leave `running`.
+        Returns the requests that got a token, finished ones included.
+        """
+        updated: list[Request] = []
+        any_finished = False
+        max_model_len = self.config.max_model_len
+        for item in output.scheduled:
+            if not item.sample:
+                continue
+            request = item.request
+            if request.status is not _RUNNING:
+                continue  # finished or aborted after schedule(): its token is dropped
+            token = sampled.get(item.request_id)
+            if token is None:
+                raise ValueError(f"no sampled token for request {item.request_id!r}")
+            output_ids = request.output_token_ids
+            output_ids.append(token)
+            all_ids = request.all_token_ids
+            all_ids.append(token)
+            updated.append(request)
+            params = request.sampling_params
+            # Cheap screen first: most tokens trip none of the stop rules.
+            if (
+                len(output_ids) >= params.max_tokens
+                or len(all_ids) >= max_model_len
+                or token in request.stop_screen
+            ):
+                status = self._check_stop(request, token, max_model_len)
+                if status is not None:
+                    self.kv_cache_manager.free(request)
+                    request.status = status
+                    self._retire(request)
+                    any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return updated
+
+    @staticmethod
+    def _check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status the new token puts the request in, or None.
+
+        A stop token wins over length when both apply: the model did end there.
+        """
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
+            (token in request.eos_token_ids and not params.ignore_eos)
+            or token in params.stop_token_ids
+        ):
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
