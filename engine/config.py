@@ -1,0 +1,347 @@
+"""The engine's start-up options, their validation, and their resolution to concrete values.
+
+Every CLI flag maps onto one `EngineConfig` field and `LLM(**fields)` takes the same names.
+A bad value fails here, at start-up, with a ValueError naming the option. This is also the
+one place in engine code that names device strings: everything else receives a
+`torch.device` from `resolve_device()`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine.attention import ATTENTION_BACKENDS
+from engine.loader import DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+GiB = 1 << 30
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+PREFIX_CACHE_HASHES = ("builtin", "sha256")
+
+# Without an explicit budget the CPU KV cache gets 2 GiB, but never more than this share of
+# the RAM that is available at start-up (the weights and activations need the rest).
+CPU_DEFAULT_KV_BYTES = 2 * GiB
+CPU_KV_MAX_FRACTION = 0.4
+
+# CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
+# tiles); without them torch emulates bf16 and float32 is faster.
+FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    prefix_cache_hash: str = "builtin"
+    seed: int = 0
+    attention_backend: str = "auto"
+    cache_dir: str | None = None  # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad option."""
+        for name, message in _problems(self):
+            raise ValueError(f"{name} {message}")
+
+    # -- resolution ---------------------------------------------------------------------
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but CUDA is not available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            # Pre-Ampere GPUs have no bf16 units; half precision is their fast path.
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_max_model_len(self, model: PretrainedConfig | int) -> int:
+        """The model's context length (its config's max_position_embeddings, or that number)
+        unless a smaller one is asked for; a larger one is an error."""
+        model_max_len = model if isinstance(model, int) else int(model.max_position_embeddings)
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is larger than the model's "
+                f"max_position_embeddings {model_max_len}"
+            )
+        return self.max_model_len
+
+    def served_name(self, model_dir: str | os.PathLike | None = None) -> str:
+        """The model's name in API responses: the default's name, or the path's last part."""
+        if self.model is None:
+            return DEFAULT_MODEL_NAME
+        name = Path(self.model).expanduser().name or Path(model_dir or self.model).name
+        return name.removesuffix(".gguf")
+
+    def kv_cache_bytes_per_block(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+    ) -> int:
+        # K and V, for every layer, for every slot of the block.
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * dtype_bytes
+
+    def kv_cache_num_blocks(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype_bytes: int,
+        free_memory: int | None = None,
+        device: torch.device | None = None,
+        gpu_memory: GpuMemory | None = None,
+    ) -> int:
+        """How many KV blocks to allocate: `num_blocks`, or as many as the byte budget holds.
+
+        The budget is `kv_cache_memory` when set. Otherwise, on CPU, it is derived from
+        `free_memory` (the RAM available now, after the weights are loaded); on CUDA from
+        `gpu_memory` (the device's total and the memory in use at the peak of a profiling
+        forward pass, see `gpu_kv_cache_budget`). Either figure is measured when None.
+        """
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = self.kv_cache_bytes_per_block(num_layers, num_kv_heads, head_dim, dtype_bytes)
+        if self.kv_cache_memory is not None:
+            return _whole_blocks(self.kv_cache_memory, per_block)
+        device = device if device is not None else self.resolve_device()
+        if device.type == "cuda":
+            return self._gpu_num_blocks(per_block, gpu_memory or measure_gpu_memory(device))
+        if free_memory is None:
+            free_memory = _available_ram()
+        budget = min(CPU_DEFAULT_KV_BYTES, int(free_memory * CPU_KV_MAX_FRACTION))
+        return _whole_blocks(budget, per_block)
+
+    def _gpu_num_blocks(self, per_block: int, memory: GpuMemory) -> int:
+        budget = gpu_kv_cache_budget(memory.total, memory.peak_used, self.gpu_memory_utilization)
+        if budget < per_block:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.gpu_memory_utilization} of the GPU's "
+                f"{memory.total / GiB:.2f} GiB leaves {max(budget, 0)} bytes for the KV cache "
+                f"after the {memory.peak_used / GiB:.2f} GiB in use (weights, activations, "
+                f"other processes), less than one KV block of {per_block} bytes; raise "
+                f"--gpu-memory-utilization, lower --max-num-batched-tokens, or set "
+                f"--kv-cache-memory"
+            )
+        return budget // per_block
+
+    def describe_kv_cache(self, num_blocks: int) -> str:
+        tokens = num_blocks * self.block_size
+        return (
+            f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
+            f"({tokens} tokens max concurrently)"
+        )
+
+    def describe(
+        self,
+        num_blocks: int | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_model_len: int | None = None,
+    ) -> str:
+        """One start-up line; pass the resolved values where they are known."""
+        parts = [
+            f"model={self.served_name()}",
+            f"device={device if device is not None else self.device}",
+            f"dtype={str(dtype).removeprefix('torch.') if dtype is not None else self.dtype}",
+            f"max_model_len={max_model_len if max_model_len is not None else self.max_model_len}",
+            f"max_num_seqs={self.max_num_seqs}",
+            f"max_num_batched_tokens={self.max_num_batched_tokens}",
+            f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
+        ]
+        if num_blocks is not None:
+            parts.append(self.describe_kv_cache(num_blocks))
+        return " ".join(parts)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: object) -> bool:
+    return _is_int(value) and value >= 1  # type: ignore[operator]
+
+
+def _valid_device(device: object) -> bool:
+    if not isinstance(device, str):
+        return False
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+def _problems(c: EngineConfig) -> list[tuple[str, str]]:
+    """(option, message) for every bad value, in field order."""
+    checks: list[tuple[bool, str, str]] = [
+        (c.model is None or (isinstance(c.model, str) and c.model != ""), "model",
+         f"must be a model directory, a .gguf file or None (the default model), got {c.model!r}"),
+        (c.dtype == "auto" or c.dtype in DTYPES, "dtype",
+         f"must be one of auto, {', '.join(DTYPES)}, got {c.dtype!r}"),
+        (_valid_device(c.device), "device",
+         f"must be one of auto, cpu, cuda, cuda:N, got {c.device!r}"),
+        (_positive_int(c.block_size) and c.block_size & (c.block_size - 1) == 0, "block_size",
+         f"must be a positive power of two (e.g. 16), got {c.block_size!r}"),
+        (c.num_blocks is None or _positive_int(c.num_blocks), "num_blocks",
+         f"must be a positive integer or None, got {c.num_blocks!r}"),
+        (c.kv_cache_memory is None or _positive_int(c.kv_cache_memory), "kv_cache_memory",
+         f"must be a positive number of bytes or None, got {c.kv_cache_memory!r}"),
+        (c.num_blocks is None or c.kv_cache_memory is None, "num_blocks and kv_cache_memory",
+         "are exclusive: set one or neither"),
+        (isinstance(c.gpu_memory_utilization, (int, float))
+         and not isinstance(c.gpu_memory_utilization, bool)
+         and 0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+         f"must be in (0, 1], got {c.gpu_memory_utilization!r}"),
+        (_positive_int(c.max_num_seqs), "max_num_seqs",
+         f"must be a positive integer, got {c.max_num_seqs!r}"),
+        (_positive_int(c.max_num_batched_tokens), "max_num_batched_tokens",
+         f"must be a positive integer, got {c.max_num_batched_tokens!r}"),
+        (c.max_model_len is None or _positive_int(c.max_model_len), "max_model_len",
+         f"must be a positive integer or None, got {c.max_model_len!r}"),
+        (isinstance(c.enable_prefix_caching, bool), "enable_prefix_caching",
+         f"must be True or False, got {c.enable_prefix_caching!r}"),
+        (c.prefix_cache_hash in PREFIX_CACHE_HASHES, "prefix_cache_hash",
+         f"must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {c.prefix_cache_hash!r}"),
+        (_is_int(c.seed), "seed", f"must be an integer, got {c.seed!r}"),
+        (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
+         "attention_backend",
+         f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),
+        (c.cache_dir is None or (isinstance(c.cache_dir, str) and c.cache_dir != ""), "cache_dir",
+         f"must be a directory path or None, got {c.cache_dir!r}"),
+    ]  # fmt: skip
+    return [(name, message) for ok, name, message in checks if not ok]
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports; empty elsewhere (then bf16 is not assumed fast)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    return not FAST_BF16_CPU_FLAGS.isdisjoint(_cpu_flags())
+
+
+def _whole_blocks(budget: int, per_block: int) -> int:
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: a budget of {budget} bytes holds no KV block of "
+            f"{per_block} bytes; give more memory or set num_blocks"
+        )
+    return num_blocks
+
+
+# -- GPU memory: the KV cache's share, measured around a profiling forward pass ----------------
+
+
+class GpuMemory(NamedTuple):
+    """One CUDA device's memory as the KV cache sizing sees it, in bytes."""
+
+    total: int
+    # In use at the peak of the profiling forward pass (weights + the largest step's
+    # activations + the CUDA context + other processes on the device).
+    peak_used: int
+
+
+def gpu_kv_cache_budget(total: int, peak_used: int, gpu_memory_utilization: float) -> int:
+    """The KV cache's bytes on a GPU, as vLLM sizes it.
+
+    The engine may fill `gpu_memory_utilization` of the device's `total` memory; the KV cache
+    gets what is left of that share after everything in use at the profiling peak. Negative
+    when the share is already exceeded (the caller reports it).
+    """
+    return int(total * gpu_memory_utilization) - peak_used
+
+
+def measure_gpu_memory(device: torch.device) -> GpuMemory:
+    """The device's total memory and its use at the peak since `reset_peak_memory_stats`.
+
+    Memory in use now is total minus free, as the driver reports it (this process's
+    allocations and cache, its CUDA context, other processes). If the caching allocator has
+    since given memory back (an `empty_cache` after the profiling pass), the difference
+    between its peak and current reservation is added back: the next step of that size will
+    need it again.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    released = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+    return GpuMemory(total=total, peak_used=total - free + max(released, 0))
+
+
+# -- device-specific calls the rest of the engine makes through here ---------------------------
+# Engine code names no device: these helpers hide the CPU/CUDA difference, so the same code
+# path runs on both (tests/test_device_agnostic.py enforces it).
+
+
+def reset_peak_memory_stats(device: torch.device) -> None:
+    """Start a new peak measurement (before the profiling pass); nothing to do on CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (before reading memory figures or timings)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def uses_pinned_memory(device: torch.device) -> bool:
+    """Whether host staging buffers for this device should be pinned (page-locked).
+
+    Only a copy from pinned memory to a CUDA device runs asynchronously with
+    `non_blocking=True`; on CPU pinning buys nothing (and needs a CUDA build).
+    """
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if sys.platform != "win32" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            pass
+    return CPU_DEFAULT_KV_BYTES  # unknown: trust the default budget

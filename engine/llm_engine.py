@@ -1,0 +1,228 @@
+"""The step loop: schedule, run the model, sample, detokenize, report.
+
+One `LLMEngine` owns the model, the paged KV cache, the scheduler and the
+per-request detokenizers. It is not thread-safe: one thread calls
+`add_request`, `abort_request` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention import allocate_kv_cache
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import (
+    iter_weights,
+    load_generation_eos,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from engine.model_runner import ModelRunner, SampledToken
+from engine.models import get_model_class
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.stats import EngineStats
+from scheduler import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        model_dir = resolve_model_dir(config.model, config.cache_dir)
+        self.hf_config = load_hf_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_name = config.served_name(model_dir)
+        self.eos_token_ids = load_generation_eos(model_dir, self.tokenizer)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.max_model_len = config.resolve_max_model_len(self.hf_config)
+        torch.manual_seed(config.seed)
+
+        model = get_model_class(self.hf_config)(
+            self.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=config.attention_backend,
+            max_model_len=self.max_model_len,
+        )
+        model.load_weights(iter_weights(model_dir))
+        self.model = model.eval()
+
+        self.num_blocks = self._num_kv_blocks()
+        kv_caches = allocate_kv_cache(
+            self.hf_config.num_hidden_layers,
+            self.num_blocks,
+            config.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                prefix_cache_hash=config.prefix_cache_hash,
+            )
+        )
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self.stats = EngineStats()
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "loaded %s (%s, %s, %s) in %.1fs; %s",
+            self.model_name,
+            self.hf_config.model_type,
+            self.dtype,
+            self.device,
+            self.load_seconds,
+            config.describe_kv_cache(self.num_blocks),
+        )
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        return self.config.kv_cache_num_blocks(
+            self.hf_config.num_hidden_layers,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            dtype_bytes,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; ValueError (naming the limit) when it can never run."""
+        self._check_prompt(prompt_token_ids, params)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_id=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params
+        )
+        if params.logprobs is not None:
+            self._logprobs[request_id] = []
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.hf_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total}, more than max_model_len ({self.max_model_len})"
+            )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort in any state; the blocks are freed at once."""
+        self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self._detokenizers.pop(rid, None)
+            self._logprobs.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        sampled = self.runner.execute(sched_out)
+        updated = self.scheduler.update_from_output(
+            sched_out, {rid: s.token_id for rid, s in sampled.items()}
+        )
+        outputs = [self._make_output(req, sampled[req.request_id]) for req in updated]
+        self._update_stats(sched_out, len(sampled))
+        return outputs
+
+    def _make_output(self, req: Request, sampled: SampledToken) -> RequestOutput:
+        detok = self._detokenizers[req.request_id]
+        # The scheduler already stopped it on eos or a stop token id: that token's text is left out.
+        stop_token = req.status is RequestStatus.FINISHED_STOPPED
+        new_text, hit_stop = detok.add_token(sampled.token_id, is_stop_token=stop_token)
+        if hit_stop and not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        elif req.is_finished and not stop_token:
+            new_text += detok.finish()
+        new_logprobs = self._record_logprob(req.request_id, sampled.logprob)
+        output = RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=detok.text,
+            new_token_ids=[sampled.token_id],
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=self._logprobs.get(req.request_id),
+            new_logprobs=new_logprobs,
+        )
+        if req.is_finished:
+            self._detokenizers.pop(req.request_id, None)
+            self._logprobs.pop(req.request_id, None)
+        return output
+
+    def _record_logprob(
+        self, request_id: str, logprob: TokenLogprob | None
+    ) -> list[TokenLogprob] | None:
+        if logprob is None:
+            return None
+        self._logprobs[request_id].append(logprob)
+        return [logprob]
+
+    def _update_stats(self, sched_out, num_sampled: int) -> None:
+        s = self.stats
+        kv = self.kv_cache_manager
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = kv.usage
+        s.prefix_cache_queries = kv.stats.queries
+        s.prefix_cache_hits = kv.stats.hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.generation_tokens += num_sampled
+        decode_tokens = sum(
+            1 for r in sched_out.scheduled if r.num_computed_tokens >= r.request.num_prompt_tokens
+        )
+        s.prompt_tokens += sched_out.num_batched_tokens - decode_tokens
+        s.num_steps += 1
+        s.last_step_tokens = sched_out.num_batched_tokens
+        s.last_step_seqs = len(sched_out.scheduled)

@@ -1,0 +1,105 @@
+"""Turns one scheduler decision into one forward pass and the sampled tokens.
+
+The scheduler speaks in token ids and block ids; the runner flattens the
+step's requests into one token batch (no padding), builds the paged-attention
+metadata, runs the model, and samples only the positions whose next token is
+wanted: each decoding request's last token and the last prompt token of a
+prefill that completes this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler, SamplingMetadata, make_generator, to_token_logprobs
+from scheduler import SchedulerOutput
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None  # only when the request asked for logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        # Seeded requests keep one generator for their whole life, so their tokens
+        # do not depend on which other requests share the batch.
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        for request_id in out.finished_ids:
+            self._generators.pop(request_id, None)
+        if not out.scheduled:
+            return {}
+        input_ids, meta = self._prepare_inputs(out)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        sampled = [s for s in out.scheduled if s.sample]
+        if not sampled:
+            return {}
+        last_index = self._sample_indices(out, meta)
+        logits = self.model.compute_logits(hidden[last_index])
+        return self._sample(sampled, logits)
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        scheduled = out.scheduled
+        query_lens = [len(s.token_ids) for s in scheduled]
+        seq_lens = [s.num_computed_tokens + q for s, q in zip(scheduled, query_lens, strict=True)]
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, self.device
+        )
+        flat_ids = [t for s in scheduled for t in s.token_ids]
+        input_ids = torch.tensor(flat_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, meta
+
+    @staticmethod
+    def _sample_indices(out: SchedulerOutput, meta: AttentionMetadata) -> torch.Tensor:
+        """Each sampled request's last position in the flat batch."""
+        ends = meta.query_start_loc_list[1:]
+        rows = [end - 1 for end, s in zip(ends, out.scheduled, strict=True) if s.sample]
+        return torch.tensor(rows, dtype=torch.long, device=meta.slot_mapping.device)
+
+    def _sample(self, sampled: list, logits: torch.Tensor) -> dict[str, SampledToken]:
+        requests = [s.request for s in sampled]
+        params = [r.sampling_params for r in requests]
+        generators = [self._generator_for(r) for r in requests]
+        meta = SamplingMetadata.build(
+            params,
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            generators,
+            [r.eos_token_id for r in requests],
+            self.device,
+        )
+        result = self.sampler(logits, meta)
+        token_ids = result.token_ids.tolist()
+        logprobs = to_token_logprobs(result, [p.logprobs for p in params])
+        return {
+            r.request_id: SampledToken(tok, lp)
+            for r, tok, lp in zip(requests, token_ids, logprobs, strict=True)
+        }
+
+    def _generator_for(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = make_generator(seed, self.device)
+        return gen

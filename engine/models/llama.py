@@ -1,0 +1,346 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches and a paged KV cache.
+
+Numerically it follows transformers' implementation (RMSNorm in float32 cast back,
+rotary cos/sin computed in float32 then cast to the model dtype, ``q*cos +
+rotate_half(q)*sin``) so that float32 logits match it to ~1e-5. For speed the
+q/k/v projections are one matmul and the MLP's gate/up projections another;
+rotary embedding is applied to q and k in one go.
+
+Not supported (documented, the model runner must respect it):
+* positions >= ``max_position_embeddings`` (or the ``max_model_len`` given);
+  "dynamic" rope therefore equals default rope, as in transformers below that length.
+* sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``): attention is
+  always full, so outputs are exact only for sequences up to ``model.sliding_window``.
+* "longrope" (its frequencies depend on the whole sequence length) and partial rotary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+
+__all__ = ["LlamaForCausalLM"]
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """Rope settings across transformers versions (``rope_parameters`` in v5, ``rope_scaling`` before)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None) or {}
+    for key, value in legacy.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling factor, computed exactly as transformers does."""
+    params = _rope_parameters(config)
+    rope_type = params["rope_type"]
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type == "longrope":
+        raise ValueError("rope_type 'longrope' is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    # linear, dynamic (below max_position_embeddings), llama3, yarn: static frequencies.
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables ``[max_positions, head_dim]`` in the model dtype, indexed by position."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int, dtype, device) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float, device=device)
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[T, 1, head_dim]`` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on ``[T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = arch["hidden_size"], arch["intermediate_size"]
+        self.num_heads, self.num_kv_heads = arch["num_heads"], arch["num_kv_heads"]
+        self.head_dim = arch["head_dim"]
+        self.eps = arch["eps"]
+        self.scale = self.head_dim**-0.5
+        self.attn = arch["attn_backend"]
+        self.act = arch["act"]
+        self.intermediate_size = inter
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = _param(hidden, **kw)
+        self.post_attention_layernorm = _param(hidden, **kw)
+        self.qkv_proj = _param(qkv_rows, hidden, **kw)
+        self.qkv_bias = _param(qkv_rows, **kw) if arch["qkv_bias"] else None
+        self.o_proj = _param(hidden, self.num_heads * self.head_dim, **kw)
+        self.o_bias = _param(hidden, **kw) if arch["o_bias"] else None
+        self.gate_up_proj = _param(2 * inter, hidden, **kw)
+        self.gate_up_bias = _param(2 * inter, **kw) if arch["mlp_bias"] else None
+        self.down_proj = _param(hidden, inter, **kw)
+        self.down_bias = _param(hidden, **kw) if arch["mlp_bias"] else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        h, kvh = self.num_heads, self.num_kv_heads
+        x = rms_norm(hidden, self.input_layernorm, self.eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias).view(num_tokens, h + 2 * kvh, self.head_dim)
+        qk = apply_rotary(qkv[:, : h + kvh], cos, sin)  # q and k heads rotated together
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = self.attn(q, k_cache, v_cache, meta, self.scale)
+        hidden = hidden + F.linear(
+            attn.view(num_tokens, h * self.head_dim), self.o_proj, self.o_bias
+        )
+
+        x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
+        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return hidden + F.linear(self.act(gate) * up, self.down_proj, self.down_bias)
+
+
+def _architecture(config: Any, attn_backend: str) -> dict[str, Any]:
+    """The few numbers and switches the layers need, read from a transformers config."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    if getattr(config, "model_type", "") == "qwen2":  # q/k/v carry a bias, o_proj does not
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+    act_name = getattr(config, "hidden_act", "silu")
+    if act_name == "silu":
+        act = F.silu
+    else:
+        from transformers.activations import ACT2FN
+
+        act = ACT2FN[act_name]
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "eps": config.rms_norm_eps,
+        "qkv_bias": qkv_bias,
+        "o_bias": o_bias,
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        "act": act,
+        "attn_backend": get_attention_backend(attn_backend),
+    }
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", "") == "qwen2" and not getattr(
+        config, "use_sliding_window", False
+    ):
+        return None
+    return window
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM: ``forward`` -> final hidden states, ``compute_logits``."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attn_backend: str = "auto",
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = hf_config
+        self.dtype = dtype
+        self.device = device
+        arch = _architecture(hf_config, attn_backend)
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_heads, self.num_kv_heads = arch["num_heads"], arch["num_kv_heads"]
+        self.head_dim = arch["head_dim"]
+        self.hidden_size = hf_config.hidden_size
+        self.vocab_size = hf_config.vocab_size
+        self.eps = arch["eps"]
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.sliding_window = _sliding_window(hf_config)
+        self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
+
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, device) for _ in range(self.num_layers)
+        )
+        self.norm = _param(self.hidden_size, **kw)
+        self.lm_head = (
+            self.embed_tokens
+            if self.tie_word_embeddings
+            else _param(self.vocab_size, self.hidden_size, **kw)
+        )
+        self.rotary = RotaryEmbedding(
+            hf_config, self.head_dim, self.max_position_embeddings, dtype, device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Flat tokens ``[T]`` at ``positions [T]`` -> final-normed hidden states ``[T, H]``."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return rms_norm(hidden, self.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy transformers-named tensors into our (fused) parameters.
+
+        Call once with every tensor of the checkpoint; raises ``ValueError`` on an
+        unknown name, a shape mismatch, or a parameter left unloaded. Returns the
+        names consumed.
+        """
+        loaded: set[str] = set()
+        filled: set[tuple[str, str]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding matrix is the head
+            target, rows, shard = self._route(name)
+            dest = target if rows is None else target.narrow(0, rows[0], rows[1])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+            loaded.add(name)
+            filled.add(shard)
+        missing = sorted(f"{p}[{s}]" if s else p for p, s in self._expected_shards() - filled)
+        if missing:
+            raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
+        return loaded
+
+    def _route(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str]]:
+        """Map a transformers name to (our tensor, (row offset, rows) or None, shard key)."""
+        top = {
+            "model.embed_tokens.weight": "embed_tokens",
+            "model.norm.weight": "norm",
+            "lm_head.weight": "lm_head",
+        }
+        if name in top:
+            return getattr(self, top[name]), None, (top[name], "")
+        parts = name.split(".")
+        if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise ValueError(f"unexpected weight name {name!r}")
+        index = int(parts[2])
+        if index >= self.num_layers:
+            raise ValueError(f"unexpected weight name {name!r} (layer {index})")
+        layer = self.layers[index]
+        prefix = f"layers.{index}."
+        if len(parts) == 5:  # model.layers.N.<norm>.weight
+            module = parts[3]
+            if (
+                module not in ("input_layernorm", "post_attention_layernorm")
+                or parts[4] != "weight"
+            ):
+                raise ValueError(f"unexpected weight name {name!r}")
+            return getattr(layer, module), None, (prefix + module, "")
+        module, proj, kind = parts[3], parts[4], parts[5]
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = layer.intermediate_size
+        fused = {
+            ("self_attn", "q_proj"): ("qkv", (0, q_rows)),
+            ("self_attn", "k_proj"): ("qkv", (q_rows, kv_rows)),
+            ("self_attn", "v_proj"): ("qkv", (q_rows + kv_rows, kv_rows)),
+            ("self_attn", "o_proj"): ("o", None),
+            ("mlp", "gate_proj"): ("gate_up", (0, inter)),
+            ("mlp", "up_proj"): ("gate_up", (inter, inter)),
+            ("mlp", "down_proj"): ("down", None),
+        }
+        if (module, proj) not in fused or kind not in ("weight", "bias"):
+            raise ValueError(f"unexpected weight name {name!r}")
+        ours, rows = fused[(module, proj)]
+        attr = f"{ours}_proj" if kind == "weight" else f"{ours}_bias"
+        target = getattr(layer, attr)
+        if target is None:
+            raise ValueError(f"unexpected weight name {name!r} (this config has no such bias)")
+        return target, rows, (prefix + attr, proj if rows else "")
+
+    def _expected_shards(self) -> set[tuple[str, str]]:
+        shards = {("embed_tokens", ""), ("norm", "")}
+        if not self.tie_word_embeddings:
+            shards.add(("lm_head", ""))
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            shards |= {(p + "input_layernorm", ""), (p + "post_attention_layernorm", "")}
+            shards |= {(p + "qkv_proj", s) for s in ("q_proj", "k_proj", "v_proj")}
+            shards |= {(p + "gate_up_proj", s) for s in ("gate_proj", "up_proj")}
+            shards |= {(p + "o_proj", ""), (p + "down_proj", "")}
+            if layer.qkv_bias is not None:
+                shards |= {(p + "qkv_bias", s) for s in ("q_proj", "k_proj", "v_proj")}
+            if layer.o_bias is not None:
+                shards.add((p + "o_bias", ""))
+            if layer.gate_up_bias is not None:
+                shards |= {(p + "gate_up_bias", s) for s in ("gate_proj", "up_proj")}
+                shards.add((p + "down_bias", ""))
+        return shards

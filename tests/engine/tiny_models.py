@@ -1,0 +1,81 @@
+"""Tiny random-weight Hugging Face model directories for fast engine tests.
+
+`make_tiny_model_dir(path, arch)` writes config.json, model.safetensors,
+generation_config.json and the default model's real tokenizer (SmolLM2, vocab 49152),
+so the loader, the engine and transformers all read it like a real checkpoint. The
+tokenizer comes from the converted default model in the cache ($PAGEDSERVE_CACHE, else the
+repo's .cache/): the GGUF is converted once per cache directory, later runs only read it.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from engine.loader import CACHE_ENV, load_tokenizer, resolve_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's
+
+# GQA (4 query heads share 2 KV heads), two layers: seconds to build, run and compare.
+TINY_CONFIG = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    # The SmolLM2 tokenizer's special tokens, so eos means the same to model and tokenizer.
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+ARCH_DEFAULTS = {
+    "llama": {},
+    "qwen2": {},  # q/k/v projections with bias: a different weight set than llama's
+    "mistral": {"sliding_window": None},  # a window larger than the context changes nothing
+}
+
+
+def cache_dir() -> Path:
+    """The model conversion cache tests share: $PAGEDSERVE_CACHE, else <repo>/.cache."""
+    return Path(os.environ.get(CACHE_ENV) or REPO_ROOT / ".cache")
+
+
+@lru_cache(maxsize=1)
+def default_model_dir() -> Path:
+    """The default model converted into the test cache (converted on first use only)."""
+    return resolve_model_dir(None, cache_dir())
+
+
+@lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, loaded once per test process."""
+    return load_tokenizer(default_model_dir())
+
+
+def tiny_config(arch: str = "llama", **overrides) -> PretrainedConfig:
+    if arch not in ARCH_DEFAULTS:
+        raise ValueError(f"arch must be one of {', '.join(ARCH_DEFAULTS)}, got {arch!r}")
+    fields = {**TINY_CONFIG, **ARCH_DEFAULTS[arch], **overrides}
+    return AutoConfig.for_model(arch, **fields)
+
+
+def make_tiny_model_dir(
+    path: str | os.PathLike, arch: str = "llama", seed: int = 0, **config_overrides
+) -> Path:
+    """Write a random-weight float32 `arch` model (same seed, same weights) and the default
+    tokenizer into `path`; returns `path`."""
+    path = Path(path)
+    config = tiny_config(arch, **config_overrides)
+    with torch.random.fork_rng(devices=[]):  # the same weights for a seed, global RNG untouched
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path))
+    default_tokenizer().save_pretrained(str(path))
+    return path
