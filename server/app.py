@@ -1,0 +1,163 @@
+"""The FastAPI app: OpenAI routes plus vLLM's health, metrics and tokenizer routes.
+
+`build_app` wires an `AsyncEngine` (which owns the engine thread) into the
+routes; the app's lifespan starts the engine thread and, at shutdown, stops
+it, aborting whatever is still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.async_engine import AsyncEngine, EngineDeadError
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.errors import bad_request, engine_dead, install_error_handlers
+from server.middleware import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+)
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    plain_message,
+)
+from server.serving import ServingContext, warn_unknown_fields
+from server.tokens import apply_chat_template
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def build_app(
+    engine_client: AsyncEngine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
+    """The HTTP app over a started-on-demand engine bridge.
+
+    `served_model_name` defaults to the engine's model name; `api_key` guards every
+    route but /health and /metrics; `max_waiting_requests` turns requests away with
+    503 + Retry-After while that many engine requests wait to be scheduled.
+    """
+    if max_waiting_requests is not None and max_waiting_requests < 1:
+        raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+    ctx = ServingContext(
+        engine=engine_client,
+        served_model_name=served_model_name or engine_client.model_name,
+        max_waiting_requests=max_waiting_requests,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine_client.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_client.shutdown)
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    _add_openai_routes(app, ctx)
+    _add_server_routes(app, ctx)
+    # The last added middleware runs first: refuse a bad key before reading any body.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(ctx, body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw_request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(
+            id=ctx.served_model_name,
+            root=ctx.engine.model_name,
+            max_model_len=ctx.engine.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.is_alive:
+            return engine_dead(ctx.engine.dead_reason or "not started").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.engine.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        body.check()
+        warn_unknown_fields(body, "/tokenize")
+        tokenizer = ctx.tokenizer
+        if body.messages is not None:
+            # The chat endpoint's message rules (roles, text-only parts) apply here too.
+            conversation = [plain_message(i, m) for i, m in enumerate(body.messages)]
+            text = apply_chat_template(
+                tokenizer, conversation, body.add_generation_prompt is not False
+            )
+            tokens = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+        else:
+            add_special = body.add_special_tokens is not False
+            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        out = TokenizeResponse(
+            count=len(tokens), max_model_len=ctx.engine.max_model_len, tokens=tokens,
+            token_strs=strs,
+        )  # fmt: skip
+        return JSONResponse(out.model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        vocab_size = ctx.engine.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param="tokens"
+            )
+        text = ctx.tokenizer.decode(body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            ok = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
+        except EngineDeadError as exc:
+            raise engine_dead(str(exc)) from exc
+        return JSONResponse({"success": bool(ok)})
+
+
+def _message(i: int, message) -> dict[str, str]:
+    # The chat endpoint's message rules (roles, text-only parts) apply to /tokenize too.
+    from server.protocol import _plain_message
+
+    return _plain_message(i, message)

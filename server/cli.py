@@ -1,0 +1,285 @@
+"""The `pagedserve` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt).
+
+Subcommands are entries of `SUBCOMMANDS`; another package adds its own (e.g. `bench`)
+with `register(Subcommand(...))` before `main()` builds the parser. Engine flags
+map one to one onto `EngineConfig` fields; a flag left out keeps that field's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+logger = logging.getLogger("pagedserve")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(subcommand: Subcommand) -> None:
+    SUBCOMMANDS[subcommand.name] = subcommand
+
+
+# ------------------------------------------------------------------------- argument types
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5GB", "2G" (binary) or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a unit like 512MiB, 2GiB, 1.5GB"
+        )
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------- engine flags
+
+# flag dest -> EngineConfig field (only flags the user gave are passed on).
+_ENGINE_FIELDS = (
+    "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
+    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "prefix_cache_hash", "seed", "attention_backend", "cache_dir",
+)  # fmt: skip
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", help="a Hugging Face model directory or a .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
+    g.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default 16)")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory", type=parse_size,
+                      help="KV cache budget, e.g. 2GiB or a number of bytes")  # fmt: skip
+    size.add_argument("--num-blocks", type=_positive_int, help="number of KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=float)
+    g.add_argument("--max-num-seqs", type=_positive_int, help="requests per batch")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, help="tokens per step")
+    g.add_argument("--max-model-len", type=_positive_int, help="context length")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
+    g.add_argument("--seed", type=int)
+    g.add_argument("--attention-backend")
+    g.add_argument("--cache-dir", help="where converted models are kept")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from engine import EngineConfig
+
+    fields = {name: getattr(args, name) for name in _ENGINE_FIELDS}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if args.no_prefix_caching:
+        fields["enable_prefix_caching"] = False
+    return EngineConfig(**fields)
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    """The engine, or None after printing why it could not start (bad option, bad model)."""
+    from engine import LLMEngine
+
+    try:
+        return LLMEngine(engine_config_from_args(args))
+    except (ValueError, OSError) as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return None
+
+
+# ---------------------------------------------------------------------------------- serve
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name",
+                   help="the model name clients use (default: the model's name)")  # fmt: skip
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default $PAGEDSERVE_API_KEY); "
+                   "/health and /metrics stay open")  # fmt: skip
+    g.add_argument("--max-waiting-requests", type=_positive_int,
+                   help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
+    g.add_argument("--max-request-body-bytes", type=parse_size,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES)  # fmt: skip
+    g.add_argument("--stats-interval", type=float, default=5.0,
+                   help="seconds between stats log lines while busy")  # fmt: skip
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from server.app import build_app
+    from server.async_engine import AsyncEngine
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = _load_engine(args)
+    if engine is None:
+        return 2
+    client = AsyncEngine(engine, log_interval_s=args.stats_interval)
+    app = build_app(
+        client,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+    print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    server = _AbortingServer(config, on_shutdown=client.begin_shutdown)
+    # uvicorn re-raises the Ctrl-C it handled once it has shut down.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0
+
+
+def startup_banner(engine: Any, served_name: str, host: str, port: int) -> str:
+    dtype = str(engine.dtype).removeprefix("torch.")
+    url = f"http://{host}:{port}"
+    return (
+        f"pagedserve: model {served_name} ({engine.config.model or 'default'}), dtype {dtype}, "
+        f"device {engine.device}, {engine.num_blocks} KV blocks of {engine.config.block_size} "
+        f"tokens, max_model_len {engine.max_model_len}\n"
+        f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)"
+    )
+
+
+class _AbortingServer(uvicorn.Server):
+    """A uvicorn server whose shutdown first aborts in-flight requests.
+
+    Without it uvicorn would wait for every open stream to finish before the
+    app's lifespan shutdown stops the engine.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+# ------------------------------------------------------------------------------- generate
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the chat template")  # fmt: skip
+    parser.add_argument("--max-tokens", type=_positive_int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default here) is greedy")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=1.0)
+    add_engine_arguments(parser)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+        )
+    except ValueError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+    engine = _load_engine(args)
+    if engine is None:
+        return 2
+    tokenizer = engine.tokenizer
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    try:
+        engine.add_request("generate-0", list(prompt_ids), params)
+    except ValueError as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+register(
+    Subcommand("serve", "run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve)
+)
+register(Subcommand("generate", "generate text for one prompt and print it",
+                    add_generate_arguments, run_generate))  # fmt: skip
+register(Subcommand("bench", "load-test an OpenAI-compatible server (see bench/README.md)", lambda p: __import__("bench.cli", fromlist=["run"]).add_arguments(p), lambda a: __import__("bench.cli", fromlist=["run"]).run(a)))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="A small OpenAI-compatible LLM server with a prefix-caching paged KV cache.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for sub in SUBCOMMANDS.values():
+        sub.add_arguments(subparsers.add_parser(sub.name, help=sub.help, description=sub.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the server reports goes through `OpenAIError`, and the handlers
+installed by `install_error_handlers` turn FastAPI's own errors (validation,
+malformed JSON, unknown routes) into the same shape, so a client never sees
+raw pydantic text or a bare 500 for something it sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+OVERLOADED = "overloaded_error"
+
+
+class OpenAIError(Exception):
+    """An error the client gets as `{"error": {...}}` with `status_code`."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+    def sse_event(self) -> str:
+        """The error as a server-sent event, for failures after a stream has started."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError, default_param: str | None = None) -> OpenAIError:
+    """SamplingParams and the engine raise ValueError("<field> <message>"): keep the field."""
+    message = str(exc) or "invalid request"
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() and first.islower() else default_param
+    return bad_request(message, param=param)
+
+
+def model_not_found(model: str, served: str) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.NOT_FOUND,
+        f"The model `{model}` does not exist. This server serves `{served}`.",
+        type=NOT_FOUND,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unauthorized() -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.UNAUTHORIZED,
+        "Missing or incorrect API key; send `Authorization: Bearer <key>`.",
+        type=AUTHENTICATION,
+        code="invalid_api_key",
+    )
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"Request body is larger than the limit of {limit} bytes.",
+        code="request_too_large",
+    )
+
+
+def overloaded(num_waiting: int, retry_after_s: int = 1) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"The server is overloaded ({num_waiting} requests waiting); retry later.",
+        type=OVERLOADED,
+        code="server_overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def engine_dead(reason: str) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"The engine is not running: {reason}",
+        type=SERVER_ERROR,
+        code="engine_dead",
+    )
+
+
+def engine_failed(reason: str) -> OpenAIError:
+    """An in-flight request whose engine loop died under it."""
+    return OpenAIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"The engine failed while running this request: {reason}",
+        type=SERVER_ERROR,
+        code="engine_error",
+    )
+
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "The server is shutting down; the request was aborted.",
+        type=SERVER_ERROR,
+        code="server_shutdown",
+    )
+
+
+# Union members pydantic puts into an error's location: ("body", "prompt", "list[int]", 0).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    # loc ("body", "messages", 0, "content") is the OpenAI param "messages.0.content"; a
+    # union's member tag ends the path (the client named the field, not the member type).
+    parts: list[str] = []
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if _is_type_tag(part):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("Invalid request body.")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    param = _validation_param(loc)
+    if first.get("type") == "json_invalid":
+        return bad_request("Malformed JSON body: " + str(first.get("msg", "")), code="invalid_json")
+    if param is None:  # the body itself: not JSON at all, or not an object
+        return bad_request("The request body must be a JSON object.", code="invalid_json")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param=param)
+    union_members = _union_members(errors, param)
+    if union_members:
+        message = f"Invalid value for '{param}': expected one of {', '.join(union_members)}."
+    else:
+        detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        message = f"Invalid value for '{param}': {detail}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+    return bad_request(message, param=param)
+
+
+def _union_members(errors: list[dict[str, Any]], param: str) -> list[str]:
+    """The member types of a union field none of which matched, e.g. prompt's four forms."""
+    members: list[str] = []
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        if _validation_param(loc) != param:
+            continue
+        tag = next((str(p) for p in loc if _is_type_tag(p)), None)
+        if tag is not None and tag not in members:
+            members.append(tag)
+    return members if len(members) > 1 else []
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+        if exc.status_code == HTTPStatus.NOT_FOUND:
+            kind = NOT_FOUND
+        err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, never a user error: log the traceback, tell the client nothing internal.
+        logger.exception("unhandled error: %s", exc)
+        err = OpenAIError(
+            HTTPStatus.INTERNAL_SERVER_ERROR, "Internal server error.", type=SERVER_ERROR
+        )
+        return err.response()

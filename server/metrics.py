@@ -1,0 +1,202 @@
+"""Prometheus metrics (vLLM's names, prefix `pagedserve:`) and the periodic stats log line.
+
+Each `ServerMetrics` has its own `CollectorRegistry`, so several apps in one
+process (the tests) never collide. The engine thread updates the metrics:
+`on_step` after every step from the engine's cumulative `EngineStats` (counters
+advance by deltas), `on_request_done` when a request finishes or is aborted.
+prometheus_client is thread-safe, and /metrics reads from the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from engine.stats import EngineStats
+
+logger = logging.getLogger("server.stats")
+
+# No `*_created` series next to every counter (vLLM turns them off too).
+disable_created_metrics()
+
+PREFIX = "pagedserve:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ITERATION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# The cumulative EngineStats fields mirrored as Prometheus counters.
+_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+               "prompt_tokens", "generation_tokens")  # fmt: skip
+
+
+@dataclass
+class RequestTimes:
+    """One engine request's timeline (time.monotonic seconds), kept by the engine thread."""
+
+    arrival: float
+    first_token: float | None = None
+    num_tokens: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.counters = {
+            "prefix_cache_queries": Counter(
+                PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                registry=r),
+            "prefix_cache_hits": Counter(
+                PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                registry=r),
+            "num_preemptions": Counter(
+                PREFIX + "num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+                registry=r),
+            "prompt_tokens": Counter(
+                PREFIX + "prompt_tokens", "Prompt tokens computed (cache hits excluded).",
+                registry=r),
+            "generation_tokens": Counter(
+                PREFIX + "generation_tokens", "Tokens sampled.", registry=r),
+        }  # fmt: skip
+        self.kv_cache_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r
+        )
+        self.num_running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.num_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason)  # export zeros from the start
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token.",
+            buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Time per output token after the first.",
+            buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+            buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
+            buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.iteration_requests = Histogram(
+            PREFIX + "iteration_requests", "Requests batched per engine step.",
+            buckets=ITERATION_REQUEST_BUCKETS, registry=r)  # fmt: skip
+        self._last = EngineStats()
+
+    # -- engine thread ---------------------------------------------------------------
+
+    def on_step(self, stats: EngineStats) -> None:
+        for name in _CUMULATIVE:
+            now, before = getattr(stats, name), getattr(self._last, name)
+            # A counter that went down was reset (e.g. prefix-cache stats): count from 0.
+            delta = now - before if now >= before else now
+            if delta:
+                self.counters[name].inc(delta)
+        self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        if stats.num_steps != self._last.num_steps:
+            self.iteration_tokens.observe(stats.last_step_tokens)
+            self.iteration_requests.observe(stats.last_step_seqs)
+        self._last = EngineStats(**vars(stats))
+
+    def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def on_request_done(self, times: RequestTimes, finish_reason: str, now: float) -> None:
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e.observe(now - times.arrival)
+        if times.first_token is not None and times.num_tokens > 1:
+            self.tpot.observe((now - times.first_token) / (times.num_tokens - 1))
+
+    def on_first_token(self, times: RequestTimes) -> None:
+        if times.first_token is not None:
+            self.ttft.observe(times.first_token - times.arrival)
+
+    # -- event loop -------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class StatsLogger:
+    """A log line every `interval_s` while the engine is busy: throughput, queues, caches.
+
+    When the engine goes idle the last partial window is logged, and the next busy
+    period starts a fresh window (an idle hour must not dilute the throughput).
+    """
+
+    def __init__(self, interval_s: float = 5.0, clock=time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_time = clock()
+        self._last = EngineStats()
+        self._idle = True
+
+    def maybe_log(self, stats: EngineStats) -> str | None:
+        """Call after each step; returns the line when one was logged."""
+        now = self._clock()
+        if self._idle:  # the first step of a busy period opens the window
+            self._idle = False
+            self._last_time = now
+            return None
+        if now - self._last_time < self.interval_s:
+            return None
+        return self._log(stats, now)
+
+    def on_idle(self, stats: EngineStats) -> str | None:
+        """Call when the engine has nothing left to do: logs the last partial window."""
+        if self._idle:
+            return None
+        self._idle = True
+        line = None
+        if stats.num_steps != self._last.num_steps:
+            line = self._log(stats, self._clock())
+        self._last = EngineStats(**vars(stats))  # the next window counts from here
+        return line
+
+    def _log(self, stats: EngineStats, now: float) -> str:
+        line = format_stats_line(self._last, stats, max(now - self._last_time, 1e-3))
+        self._last_time, self._last = now, EngineStats(**vars(stats))
+        logger.info(line)
+        return line
+
+
+def format_stats_line(before: EngineStats, now: EngineStats, elapsed_s: float) -> str:
+    prompt_tps = max(now.prompt_tokens - before.prompt_tokens, 0) / elapsed_s
+    gen_tps = max(now.generation_tokens - before.generation_tokens, 0) / elapsed_s
+    queries = now.prefix_cache_queries - before.prefix_cache_queries
+    hits = now.prefix_cache_hits - before.prefix_cache_hits
+    hit_rate = hits / queries if queries > 0 else 0.0
+    return (
+        f"prompt throughput: {prompt_tps:.1f} tok/s, generation throughput: {gen_tps:.1f} tok/s, "
+        f"running: {now.num_running}, waiting: {now.num_waiting}, "
+        f"KV cache usage: {now.kv_cache_usage:.1%}, prefix cache hit rate: {hit_rate:.1%}"
+    )

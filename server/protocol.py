@@ -1,0 +1,474 @@
+"""The OpenAI wire format as pydantic models, and their conversion to `SamplingParams`.
+
+Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups:
+
+* supported: declared below and honoured;
+* known but not supported (`suffix`, `best_of` != n, tools, structured output, ...):
+  listed in `UNSUPPORTED_*`; a request that sets one to a non-empty value is a 400,
+  never silently ignored;
+* anything else: kept by `extra="allow"`, ignored, and named in a logged warning
+  (`unknown_fields()`), as vLLM does, so a newer SDK field does not break clients.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import SamplingParams
+from server.errors import bad_request
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
+# Below this temperature sampling is numerically greedy anyway (vLLM does the same), and
+# dividing the logits by it could overflow.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+LOGIT_BIAS_LIMIT = 100.0
+
+# vLLM-style extras and OpenAI fields this server cannot honour.
+_UNSUPPORTED_COMMON = (
+    "prompt_logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "structured_outputs",
+    "allowed_token_ids",
+    "bad_words",
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "return_tokens_as_token_ids",
+    "logits_processors",
+)
+UNSUPPORTED_COMPLETION = ("suffix", "response_format", *_UNSUPPORTED_COMMON)
+UNSUPPORTED_CHAT = (
+    "tools",
+    "functions",
+    "function_call",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "continue_final_message",
+    "echo",
+    *_UNSUPPORTED_COMMON,
+)
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (and reported by unknown_fields), not rejected. NaN and
+    # infinity (Python's json parses them) are refused: no sampling option means them.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def reject_unsupported(req: OpenAIBaseModel, names: tuple[str, ...]) -> None:
+    """400 for a known-unsupported field set to anything but an empty value."""
+    extra = req.model_extra or {}
+    for name in names:
+        if name in extra and not _is_unset(extra[name]):
+            raise bad_request(f"`{name}` is not supported by this server.", param=name)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, le=MAX_TOP_K)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    cache_salt: str | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_common(self, vocab_size: int) -> None:
+        """Checks SamplingParams.verify does not make: token ids the model can index."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("`stream_options` is only allowed with `stream: true`.",
+                              param="stream_options")  # fmt: skip
+        if self.cache_salt is not None and self.cache_salt == "":
+            raise bad_request("`cache_salt` must be a non-empty string.", param="cache_salt")
+        for token in self.stop_token_ids or []:
+            _check_token_id(token, vocab_size, "stop_token_ids")
+        _parse_logit_bias(self.logit_bias, vocab_size)
+
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
+    ) -> SamplingParams:
+        """SamplingParams for choice `choice` of n; ValueError("<field> ...") when invalid."""
+        seed = self.seed
+        if seed is not None and choice:
+            seed += choice  # n > 1 with a seed: distinct but reproducible sequences
+        temperature = _default(self.temperature, 1.0)
+        if 0.0 < temperature < MIN_SAMPLING_TEMPERATURE:
+            temperature = 0.0
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": _default(self.top_p, 1.0),
+            "top_k": self.top_k or 0,
+            "min_p": self.min_p or 0.0,
+            "seed": seed,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": _default(self.repetition_penalty, 1.0),
+            "logit_bias": _parse_logit_bias(self.logit_bias, vocab_size),
+            "logprobs": logprobs,
+            "min_tokens": self.min_tokens or 0,
+            "stop": _stop_list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": bool(self.ignore_eos),
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+            "skip_special_tokens": self.skip_special_tokens is not False,
+        }
+        return SamplingParams(**fields)
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _check_token_id(token: int, vocab_size: int, param: str) -> None:
+    if not 0 <= token < vocab_size:
+        raise bad_request(
+            f"token id {token} is outside the vocabulary [0, {vocab_size}).", param=param
+        )
+
+
+def _parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id.", "logit_bias") from None
+        _check_token_id(token, vocab_size, "logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise bad_request(
+                f"logit_bias value {value} for token {token} is outside [-100, 100].",
+                param="logit_bias",
+            )
+        parsed[token] = value
+    return parsed
+
+
+def check_context_length(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_param: str
+) -> None:
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the {prompt_param}, "
+            f"{max_tokens} for the completion). Please reduce the length of the "
+            f"{prompt_param} or of max_tokens.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+
+
+# --------------------------------------------------------------------------- completions
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        reject_unsupported(self, UNSUPPORTED_COMPLETION)
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported; only best_of == n.", param="best_of"
+            )
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts as a list of strings and token-id lists; 400 when there are none."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        if not prompts:
+            raise bad_request("prompt must not be empty.", param="prompt")
+        return prompts
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# -------------------------------------------------------------------------------- chat
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    add_generation_prompt: bool | None = True
+
+    def check_supported(self) -> None:
+        reject_unsupported(self, UNSUPPORTED_CHAT)
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("`tool_choice` is not supported (no tools).", param="tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request(
+                f"response_format type {self.response_format.get('type')!r} is not supported; "
+                "only 'text'.",
+                param="response_format",
+            )
+        if self.modalities and set(self.modalities) != {"text"}:
+            raise bad_request("Only the 'text' modality is supported.", param="modalities")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("`top_logprobs` requires `logprobs: true`.", param="top_logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        return _default(self.max_completion_tokens, self.max_tokens)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as plain {role, content} dicts for the chat template."""
+        return [plain_message(i, m) for i, m in enumerate(self.messages)]
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def plain_message(i: int, m: ChatMessageParam) -> dict[str, str]:
+    param = f"messages.{i}"
+    role = _ROLES.get(m.role)
+    if role is None:
+        raise bad_request(
+            f"role {m.role!r} is not supported; use system, developer, user or assistant.",
+            param=f"{param}.role",
+        )
+    for key in m.unknown_fields():
+        if key in ("tool_calls", "function_call", "audio") and not _is_unset(m.model_extra[key]):
+            raise bad_request(f"`{key}` in messages is not supported.", param=f"{param}.{key}")
+    if m.content is None:
+        if role != "assistant":
+            raise bad_request("content must not be null.", param=f"{param}.content")
+        text = ""
+    elif isinstance(m.content, str):
+        text = m.content
+    else:
+        text = "".join(_text_part(part, f"{param}.content.{j}") for j, part in enumerate(m.content))
+    message = {"role": role, "content": text}
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _text_part(part: dict[str, Any], param: str) -> str:
+    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise bad_request(
+            f"content part type {part.get('type')!r} is not supported; only text parts.",
+            param=param,
+        )
+    return part["text"]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------ models, tokens
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either `prompt` (completions) or `messages` (chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("Give exactly one of `prompt` and `messages`.", param="prompt")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,193 @@
+"""What the completions and chat endpoints share: admission, submission, collection, SSE.
+
+A request's engine requests are submitted together (ids `<id>-<choice index>`,
+choice index = prompt index * n + i). Non-streaming handlers collect final
+outputs while watching for the client to disconnect; streaming handlers wrap
+their chunks in `sse_events`. Either way, leaving (disconnect, cancellation,
+error) aborts whatever has not finished, so its KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from engine import RequestOutput, SamplingParams
+from server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    EngineShutdownError,
+    RequestStream,
+)
+from server.errors import (
+    OpenAIError,
+    engine_dead,
+    engine_failed,
+    from_value_error,
+    model_not_found,
+    overloaded,
+    shutting_down,
+)
+from server.protocol import OpenAIBaseModel, SamplingFields, check_context_length
+from server.tokens import TokenStrings
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    served_model_name: str
+    max_waiting_requests: int | None = None
+    token_strings: TokenStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_strings = TokenStrings(self.engine.tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise model_not_found(model, self.served_model_name)
+
+
+def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
+    unknown = req.unknown_fields()
+    if unknown:
+        logger.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+
+
+async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> RequestStream:
+    """Admission control, then hand the requests to the engine; errors in the OpenAI shape."""
+    limit = ctx.max_waiting_requests
+    if limit is not None and ctx.engine.num_waiting >= limit:
+        raise overloaded(ctx.engine.num_waiting)
+    try:
+        return await ctx.engine.submit(requests)
+    except ValueError as exc:
+        raise from_value_error(exc, default_param="prompt") from exc
+    except EngineShutdownError as exc:
+        raise shutting_down() from exc
+    except EngineDeadError as exc:
+        raise engine_dead(str(exc)) from exc
+
+
+def in_flight_error(exc: EngineDeadError) -> OpenAIError:
+    """The error for a request the engine stopped serving midway."""
+    return shutting_down() if isinstance(exc, EngineShutdownError) else engine_failed(str(exc))
+
+
+async def _final_outputs(stream: RequestStream) -> dict[str, RequestOutput]:
+    final: dict[str, RequestOutput] = {}
+    async for out in stream:
+        final[out.request_id] = out
+    return final
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_final(stream: RequestStream, raw_request: Request) -> dict[str, RequestOutput]:
+    """Every request's final output; aborts them all if the client disconnects first."""
+    collector = asyncio.ensure_future(_final_outputs(stream))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector in done:
+            return collector.result()
+        raise OpenAIError(CLIENT_CLOSED_REQUEST, "client disconnected")
+    except EngineDeadError as exc:
+        raise in_flight_error(exc) from exc
+    finally:
+        watcher.cancel()
+        collector.cancel()
+        stream.abort()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`data: {json}` events, an error event if the engine fails, then `data: [DONE]`.
+
+    A disconnect cancels this generator at an await or a yield: `finally` aborts.
+    """
+    try:
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except EngineDeadError as exc:
+            yield in_flight_error(exc).sse_event()
+        except OpenAIError as exc:
+            yield exc.sse_event()
+        except Exception as exc:  # a bug: tell the client in-band, keep the details in the log
+            logger.exception("stream failed: %s", exc)
+            yield OpenAIError(500, "Internal server error.", type="server_error").sse_event()
+        yield SSE_DONE
+    finally:
+        stream.abort()
+
+
+def clamp_logprob(value: float) -> float:
+    # JSON has no -inf; vLLM reports impossible tokens as -9999.0.
+    return max(value, -9999.0)
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
+) -> SamplingParams:
+    try:
+        return req.to_sampling_params(max_tokens, logprobs, choice, vocab_size)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+
+
+def engine_requests_for_prompt(
+    ctx: ServingContext,
+    req: SamplingFields,
+    request_id: str,
+    prompt_index: int,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> list[EngineRequest]:
+    """The n engine requests of one prompt (ids `<id>-<prompt_index * n + i>`).
+
+    The n sequences share the prompt's KV blocks through the prefix cache; with a
+    seed, sequence i draws with seed + i so the choices differ.
+    """
+    max_model_len = ctx.engine.max_model_len
+    if max_tokens is None:  # as much as the context leaves (vLLM's default)
+        max_tokens = max(max_model_len - len(prompt_ids), 1)
+    n = req.num_choices
+    requests = [
+        EngineRequest(
+            f"{request_id}-{prompt_index * n + i}",
+            prompt_ids,
+            sampling_params(req, max_tokens, logprobs, i, ctx.engine.vocab_size),
+            req.cache_salt,
+        )
+        for i in range(n)
+    ]
+    check_context_length(len(prompt_ids), max_tokens, max_model_len, prompt_param)
+    return requests

@@ -1,0 +1,102 @@
+"""Tokenizer-side helpers: prompts to ids, chat templates, and per-token text and bytes.
+
+Per-token strings feed the logprobs formats; they are cached because a long
+stream asks for the same token ids again and again.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from server.errors import bad_request
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE token chars -> raw bytes."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    byte_values, chars = list(printable), list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            byte_values.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(byte_values, chars, strict=True)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    try:
+        return type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
+    except AttributeError:
+        return False
+
+
+class TokenStrings:
+    """Each token id's own text (as logprobs show it) and its exact UTF-8 bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._byte_level = _is_byte_level(tokenizer)
+        self.text = lru_cache(maxsize=1 << 16)(self._text)
+        self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        # A token can hold part of a multi-byte character: its text is then U+FFFD, but
+        # its bytes are exact, so a client can join bytes across tokens.
+        if self._byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(ch in _BYTE_DECODER for ch in piece):
+                return [_BYTE_DECODER[ch] for ch in piece]
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def encode_prompt(
+    tokenizer: Any, prompt: str | list[int], vocab_size: int, param: str
+) -> list[int]:
+    """A completion prompt as token ids; 400 when empty or outside the vocabulary."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param
+            )
+    if not ids:
+        raise bad_request("prompt must not be empty.", param=param)
+    return ids
+
+
+def apply_chat_template(
+    tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool
+) -> str:
+    """The conversation rendered by the model's chat template; 400 when it cannot be."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja errors: the template refused these messages
+        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
+    return text if isinstance(text, str) else str(text)
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    # The template already wrote any BOS it wants; do not add special tokens twice.
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise bad_request("messages render to an empty prompt.", param="messages")
+    return ids

@@ -1,0 +1,288 @@
+"""The request models, their validation and their conversion to SamplingParams (no engine)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from server.cli import build_parser, engine_config_from_args, parse_size
+from server.errors import OpenAIError, from_value_error, validation_error
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_context_length,
+)
+
+VOCAB = 1000
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest(**{"prompt": "hi", **fields})
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def raises_400(fn, param: str | None) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        fn()
+    assert info.value.status_code == 400
+    assert info.value.param == param
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("a b", ["a b"]),
+        (["a", "b"], ["a", "b"]),
+        ([5, 6, 7], [[5, 6, 7]]),
+        ([[5, 6], [7]], [[5, 6], [7]]),
+    ],
+)
+def test_prompt_forms(prompt, expected):
+    assert completion(prompt=prompt).prompt_list() == expected
+
+
+def test_empty_prompt_list_is_400():
+    raises_400(lambda: completion(prompt=[]).prompt_list(), "prompt")
+
+
+def test_mixed_prompt_list_is_a_validation_error():
+    with pytest.raises(ValidationError):
+        completion(prompt=[1, "a"])
+
+
+def test_defaults_follow_openai():
+    req = completion()
+    params = req.to_sampling_params(req.max_tokens, None, 0, VOCAB)
+    assert (params.max_tokens, params.temperature, params.top_p) == (16, 1.0, 1.0)
+    assert params.logprobs is None and params.seed is None and params.stop == []
+
+
+def test_all_fields_reach_sampling_params():
+    req = completion(
+        temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=11, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"5": 3.0}, stop="END",
+        min_tokens=2, ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    )  # fmt: skip
+    p = req.to_sampling_params(20, 3, 0, VOCAB)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.5, 0.9, 7, 0.1, 11)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert p.logit_bias == {5: 3.0} and p.stop == ["END"] and p.stop_token_ids == [9]
+    assert p.min_tokens == 2 and p.ignore_eos and p.include_stop_str_in_output
+    assert not p.skip_special_tokens and p.logprobs == 3 and p.max_tokens == 20
+
+
+def test_n_choices_get_distinct_seeds():
+    req = completion(n=3, seed=100)
+    seeds = [req.to_sampling_params(4, None, i, VOCAB).seed for i in range(3)]
+    assert seeds == [100, 101, 102]
+
+
+def test_temperature_zero_is_greedy_and_tiny_temperature_too():
+    assert completion(temperature=0).to_sampling_params(4, None, 0, VOCAB).greedy
+    assert completion(temperature=1e-9).to_sampling_params(4, None, 0, VOCAB).greedy
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_values_name_their_field(fields, param):
+    req = completion(**fields)
+    with pytest.raises(ValueError) as info:
+        req.to_sampling_params(4, None, 0, VOCAB)
+    assert from_value_error(info.value).param == param
+
+
+def test_max_tokens_below_one_names_max_tokens():
+    with pytest.raises(ValueError) as info:
+        completion().to_sampling_params(0, None, 0, VOCAB)
+    assert from_value_error(info.value).param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": {"5000": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_common_checks(fields, param):
+    raises_400(lambda: completion(**fields).check_common(VOCAB), param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_unsupported_completion_fields_are_400(fields, param):
+    raises_400(lambda: completion(**fields).check_supported(), param)
+
+
+def test_harmless_values_of_unsupported_fields_pass():
+    completion(suffix=None, best_of=2, n=2, prompt_logprobs=None).check_supported()
+
+
+def test_unknown_fields_are_reported_not_rejected():
+    req = completion(some_future_field=1, another=True)
+    req.check_supported()
+    assert req.unknown_fields() == ["another", "some_future_field"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_unsupported_chat_fields_are_400(fields, param):
+    raises_400(lambda: chat(**fields).check_supported(), param)
+
+
+def test_chat_text_response_format_and_tool_choice_none_pass():
+    chat(response_format={"type": "text"}, tool_choice="none", tools=[]).check_supported()
+
+
+def test_chat_conversation_normalises_roles_and_parts():
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert req.conversation() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages.0.role"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+         "messages.0.content.0"),
+        ({"role": "user", "content": None}, "messages.0.content"),
+        ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+         "messages.0.tool_calls"),
+    ],
+)  # fmt: skip
+def test_bad_messages_are_400(message, param):
+    raises_400(lambda: chat(messages=[message]).conversation(), param)
+
+
+def test_chat_max_completion_tokens_wins_and_logprobs_count():
+    req = chat(max_tokens=5, max_completion_tokens=7, logprobs=True, top_logprobs=3)
+    assert req.requested_max_tokens() == 7 and req.num_logprobs() == 3
+    assert chat(logprobs=True).num_logprobs() == 0 and chat().num_logprobs() is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n": 0}, {"n": 1000}, {"logprobs": 21}, {"logprobs": -1}, {"seed": 2**64},
+     {"top_k": 2**40}],
+)  # fmt: skip
+def test_out_of_range_fields_fail_validation(fields):
+    with pytest.raises(ValidationError):
+        completion(**fields)
+
+
+def test_context_length_error_names_both_numbers():
+    err = raises_400(lambda: check_context_length(1000, 100, 1024, "prompt"), "prompt")
+    assert "1024" in err.message and "1100" in err.message and err.code == "context_length_exceeded"
+    check_context_length(1000, 24, 1024, "prompt")
+
+
+def test_validation_error_becomes_openai_shape_with_param():
+    try:
+        chat(messages=[{"role": "user", "content": 5}])
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+    err = validation_error(RequestValidationError(errors))
+    assert err.status_code == 400 and err.param.startswith("messages.0.content")
+    assert "messages.0.content" in err.message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("123", 123), ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+     ("2G", 2 << 30), ("64k", 64 << 10)],
+)  # fmt: skip
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2XB", "-5", "GiB", "0"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+def test_cli_engine_flags_map_to_engine_config():
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m", "--dtype", "float32", "--device", "cpu", "--block-size", "32",
+         "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+         "--max-model-len", "256", "--no-prefix-caching", "--prefix-cache-hash", "sha256",
+         "--seed", "3", "--port", "9000", "--api-key", "k", "--max-waiting-requests", "4"]
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert (config.model, config.dtype, config.device, config.block_size) == (
+        "/m",
+        "float32",
+        "cpu",
+        32,
+    )
+    assert config.kv_cache_memory == 1 << 30 and config.num_blocks is None
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
+        8,
+        512,
+        256,
+    )
+    assert not config.enable_prefix_caching and config.prefix_cache_hash == "sha256"
+    assert config.seed == 3 and args.port == 9000 and args.host == "127.0.0.1"
+    assert args.api_key == "k" and args.max_waiting_requests == 4
+
+
+def test_cli_defaults_leave_engine_config_defaults():
+    from engine import EngineConfig
+
+    args = build_parser().parse_args(["serve"])
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_cli_kv_memory_and_num_blocks_are_exclusive():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--num-blocks", "4", "--kv-cache-memory", "1GiB"])
