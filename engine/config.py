@@ -39,7 +39,11 @@ CPU_KV_MAX_FRACTION = 0.4
 
 # CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
 # tiles); without them torch emulates bf16 and float32 is faster.
-FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Only AMX tiles make torch's CPU bf16 matmuls faster than float32. Measured on an
+# AVX512-BF16 Xeon without AMX (torch 2.13, oneDNN 3.12): bf16 F.linear ran at 68-76
+# GFLOP/s against float32's 94-122, and the model step was no faster, so such CPUs
+# get float32 (which is also token-exact with transformers' float32 reference).
+FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
 
 
 @dataclass
@@ -135,12 +139,23 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             return _whole_blocks(self.kv_cache_memory, per_block)
         device = device if device is not None else self.resolve_device()
+        if gpu_memory is not None:
+            return self._gpu_num_blocks(per_block, gpu_memory)
         if device.type == "cuda":
-            return self._gpu_num_blocks(per_block, gpu_memory or measure_gpu_memory(device))
+            return self._gpu_num_blocks(per_block, measure_gpu_memory(device))
         if free_memory is None:
             free_memory = _available_ram()
         budget = min(CPU_DEFAULT_KV_BYTES, int(free_memory * CPU_KV_MAX_FRACTION))
         return _whole_blocks(budget, per_block)
+
+    def profiles_memory(self, device: torch.device) -> bool:
+        """Whether the engine runs a profiling forward pass before sizing the KV cache.
+
+        Only on CUDA, where the budget subtracts the largest step's activations (see
+        `gpu_kv_cache_budget`), and only when neither `num_blocks` nor `kv_cache_memory`
+        fixes the size. CPU sizing reads available RAM and needs no pass.
+        """
+        return device.type == "cuda" and self.num_blocks is None and self.kv_cache_memory is None
 
     def _gpu_num_blocks(self, per_block: int, memory: GpuMemory) -> int:
         budget = gpu_kv_cache_budget(memory.total, memory.peak_used, self.gpu_memory_utilization)

@@ -12,8 +12,14 @@ import time
 
 import torch
 
-from engine.attention import allocate_kv_cache
-from engine.config import EngineConfig
+from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.config import (
+    EngineConfig,
+    GpuMemory,
+    measure_gpu_memory,
+    reset_peak_memory_stats,
+    synchronize,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import (
     iter_weights,
@@ -24,6 +30,7 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models import get_model_class
+from engine.models.llama import sliding_window
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stats import EngineStats
 from scheduler import (
@@ -48,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = load_generation_eos(model_dir, self.tokenizer)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        self.max_model_len = config.resolve_max_model_len(self.hf_config)
+        self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
 
         model = get_model_class(self.hf_config)(
@@ -99,15 +106,43 @@ class LLMEngine:
         )
 
     def _num_kv_blocks(self) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        gpu_memory = self._profile_memory() if self.config.profiles_memory(self.device) else None
         return self.config.kv_cache_num_blocks(
             self.hf_config.num_hidden_layers,
             self.model.num_kv_heads,
             self.model.head_dim,
-            dtype_bytes,
+            self.dtype.itemsize,
+            device=self.device,
+            gpu_memory=gpu_memory,
         )
+
+    @torch.inference_mode()
+    def _profile_memory(self) -> GpuMemory:
+        """Peak memory of the largest step (a full token budget over max_num_seqs requests),
+        so the KV cache gets what is left of the device's share and no step runs out."""
+        cfg, bs = self.config, self.config.block_size
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        per_seq = cfg.max_num_batched_tokens // num_seqs
+        query_lens = [per_seq] * num_seqs
+        blocks_per_seq = -(-per_seq // bs)
+        tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        scratch = allocate_kv_cache(
+            self.hf_config.num_hidden_layers, num_seqs * blocks_per_seq, bs,
+            self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+        )  # fmt: skip
+        reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata.build(query_lens, query_lens, tables, bs, self.device)
+        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta.positions, scratch, meta)
+        last = torch.tensor(meta.query_start_loc_list[1:], device=self.device) - 1
+        torch.softmax(self.model.compute_logits(hidden[last]), dim=-1).sort(dim=-1)
+        synchronize(self.device)
+        scratch_bytes = sum(k.nbytes + v.nbytes for k, v in scratch)
+        del scratch, hidden
+        memory = measure_gpu_memory(self.device)
+        return GpuMemory(memory.total, memory.peak_used - scratch_bytes)
 
     # ------------------------------------------------------------------ requests
 
@@ -226,3 +261,11 @@ class LLMEngine:
         s.num_steps += 1
         s.last_step_tokens = sched_out.num_batched_tokens
         s.last_step_seqs = len(sched_out.scheduled)
+
+
+def _context_limit(hf_config) -> int:
+    """The longest context computed exactly. Sliding-window attention is not implemented,
+    so a windowed model (Mistral v0.1) is capped at its window, where full attention equals it."""
+    limit = int(hf_config.max_position_embeddings)
+    window = sliding_window(hf_config)
+    return min(limit, window) if window else limit

@@ -179,7 +179,8 @@ def _architecture(config: Any, attn_backend: str) -> dict[str, Any]:
     }
 
 
-def _sliding_window(config: Any) -> int | None:
+def sliding_window(config: Any) -> int | None:
+    """The attention window the config asks for, or None (full attention)."""
     window = getattr(config, "sliding_window", None)
     if getattr(config, "model_type", "") == "qwen2" and not getattr(
         config, "use_sliding_window", False
@@ -195,12 +196,12 @@ class LlamaForCausalLM(nn.Module):
         self,
         hf_config: Any,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,  # None: torch's default device
         attn_backend: str = "auto",
         max_model_len: int | None = None,
     ) -> None:
         super().__init__()
-        device = torch.device(device)
+        device = torch.device(device) if device is not None else torch.get_default_device()
         self.config = hf_config
         self.dtype = dtype
         self.device = device
@@ -212,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = hf_config.vocab_size
         self.eps = arch["eps"]
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.sliding_window = _sliding_window(hf_config)
+        self.sliding_window = sliding_window(hf_config)
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
 
         kw = {"dtype": dtype, "device": device}

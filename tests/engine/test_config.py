@@ -113,7 +113,7 @@ def test_explicit_dtype_is_used_on_any_device(name, dtype):
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+        ({"avx512f", "avx512_bf16"}, torch.float32),
         ({"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),
         ({"avx2", "avx512f"}, torch.float32),
         (set(), torch.float32),
@@ -132,7 +132,7 @@ def _flags_from_proc_cpuinfo() -> set[str]:
 
 def test_auto_dtype_on_this_cpu_reads_the_real_flags():
     flags = _flags_from_proc_cpuinfo()
-    expected = torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
+    expected = torch.bfloat16 if flags & {"amx_bf16"} else torch.float32
     assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
 
 
@@ -314,6 +314,21 @@ def test_cli_memory_flags_size_the_kv_cache(flags, expected_blocks):
     config = engine_config_from_args(args)
     memory = GpuMemory(total=40 * GiB, peak_used=6 * GiB)
     assert config.kv_cache_num_blocks(**SMOL, device=CUDA, gpu_memory=memory) == expected_blocks
+
+
+@pytest.mark.parametrize(
+    ("fields", "device", "expected"),
+    [
+        ({}, CUDA, True),
+        ({"num_blocks": 8}, CUDA, False),
+        ({"kv_cache_memory": GiB}, CUDA, False),
+        ({}, torch.device("cpu"), False),
+    ],
+)
+def test_profiling_pass_only_when_the_gpu_budget_needs_the_activation_peak(
+    fields, device, expected
+):
+    assert EngineConfig(**fields).profiles_memory(device) is expected
 
 
 # -- device-specific helpers: no-ops on CPU, torch.cuda calls on CUDA --------------------------

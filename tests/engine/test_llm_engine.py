@@ -1,0 +1,134 @@
+"""LLMEngine behaviour beyond greedy equivalence: stops, aborts, logprobs, seeds, limits, sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.llm_engine as llm_engine_module
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.config import GpuMemory
+from tests.engine.test_engine_golden import assert_all_blocks_free
+from tests.engine.tiny_models import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("llama"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model=str(model_dir), dtype="float32", num_blocks=128, block_size=8)
+
+
+PROMPT = list(range(100, 130))
+
+
+def run_until_done(eng: LLMEngine) -> dict:
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_stop_string_truncates_text_and_finishes_with_stop(llm):
+    free_run = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[
+        0
+    ]
+    text = free_run.text
+    assert len(text) > 6
+    stop = text[3:6]  # a piece of what greedy decoding will produce
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert len(out.token_ids) < 12
+    assert_all_blocks_free(llm)
+
+
+def test_length_finish_and_stop_token_ids(llm):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    stop_id = out.token_ids[2]
+    out2 = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[stop_id])
+    )[0]
+    assert out2.finish_reason == "stop"
+    assert out2.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1]
+
+
+def test_abort_frees_blocks_in_every_state(llm):
+    eng = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0)
+    eng.add_request("running", PROMPT, params)
+    eng.step()
+    eng.add_request("waiting", PROMPT + [5], params)
+    assert eng.kv_cache_manager.num_free_blocks < eng.num_blocks
+    eng.abort_request(["running", "waiting"])
+    assert not eng.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+    assert eng.step() == []
+
+
+def test_logprobs_are_reported_per_token(llm):
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
+    out = llm.generate([PROMPT], params)[0]
+    assert len(out.logprobs) == 4
+    for token_id, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == token_id
+        assert len(lp.top) == 3
+        # greedy: the chosen token is the most likely one
+        assert max(lp.top.values()) == pytest.approx(lp.logprob)
+        assert lp.logprob <= 0.0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
+    alone = llm.generate([PROMPT], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=8, temperature=1.0) for _ in range(3)]
+    batch = llm.generate(
+        [PROMPT[:10], PROMPT, PROMPT[5:], PROMPT[:20]], [others[0], seeded, *others[1:]]
+    )
+    assert batch[1].token_ids == alone
+
+
+def test_impossible_requests_are_refused_with_the_limits(llm):
+    eng = llm.engine
+    with pytest.raises(ValueError, match=r"max_model_len \(512\)"):
+        eng.add_request("too-long", PROMPT, SamplingParams(max_tokens=500))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("bad-id", [10**6], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("empty", [], SamplingParams())
+    assert not eng.has_unfinished_requests()
+
+
+def test_stats_follow_the_steps(llm):
+    eng = llm.engine
+    before = eng.stats.generation_tokens
+    llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=3, temperature=0))
+    assert eng.stats.generation_tokens == before + 6
+    assert eng.stats.prefix_cache_hits > 0  # the second copy of the prompt hit the first's blocks
+    assert eng.stats.num_running == 0 and eng.stats.num_waiting == 0
+
+
+def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
+    """The CUDA sizing path, run on this device: a profiling pass, then fake GPU figures."""
+    monkeypatch.setattr(EngineConfig, "profiles_memory", lambda self, device: True)
+    monkeypatch.setattr(
+        llm_engine_module,
+        "measure_gpu_memory",
+        lambda device: GpuMemory(total=10 * 2**30, peak_used=2 * 2**30),
+    )
+    llm = LLM(model=str(model_dir), dtype="float32", gpu_memory_utilization=0.5)
+    eng = llm.engine
+    per_block = eng.config.kv_cache_bytes_per_block(
+        eng.hf_config.num_hidden_layers, eng.model.num_kv_heads, eng.model.head_dim, 4
+    )
+    # The pass ran 2048 tokens as 256 sequences of 8: one 16-token block each, a scratch
+    # KV cache that the engine subtracts from the peak because the real cache replaces it.
+    scratch = 256 * per_block
+    assert eng.num_blocks == (5 * 2**30 - (2 * 2**30 - scratch)) // per_block
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert len(out.token_ids) == 2
