@@ -78,7 +78,9 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model, kv_caches, config.block_size, self.device, config.max_num_batched_tokens
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

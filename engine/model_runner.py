@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import uses_pinned_memory
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, make_generator, to_token_logprobs
 from scheduler import SchedulerOutput
@@ -32,12 +33,18 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        max_num_batched_tokens: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # One host staging buffer for the step's token ids, reused every step. Pinned where
+        # that makes the non_blocking copy to the device asynchronous (CUDA).
+        self._host_ids = torch.empty(
+            max_num_batched_tokens, dtype=torch.long, pin_memory=uses_pinned_memory(device)
+        )
         # Seeded requests keep one generator for their whole life, so their tokens
         # do not depend on which other requests share the batch.
         self._generators: dict[str, torch.Generator] = {}
@@ -64,9 +71,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, self.device
         )
-        flat_ids = [t for s in scheduled for t in s.token_ids]
-        input_ids = torch.tensor(flat_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, meta
+        host = self._host_ids[: meta.num_tokens]
+        host.numpy()[:] = [t for s in scheduled for t in s.token_ids]
+        return host.to(self.device, non_blocking=True), meta
 
     @staticmethod
     def _sample_indices(out: SchedulerOutput, meta: AttentionMetadata) -> torch.Tensor:

@@ -76,6 +76,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "inverse RoPE frequencies are computed on the host, as transformers does, so they are "
         "bit-identical to it; RotaryEmbedding moves them to the configured device once"
     ),
+    ("engine/model_runner.py", "ModelRunner._prepare_inputs", ".numpy()"): (
+        "host staging: the step's token ids are written into the reusable (pinned on CUDA) "
+        "host buffer through its numpy view, then copied to the device with non_blocking=True"
+    ),
     ("engine/sampling_metadata.py", "_padded", "torch.as_tensor without device="): (
         "host staging: the per-request id lists are padded on the host and the padded batch "
         "is moved with one .to(device) two lines below"
