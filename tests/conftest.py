@@ -10,3 +10,5 @@ from pathlib import Path
 os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before any test imports torch: see engine/__init__.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
