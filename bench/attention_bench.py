@@ -5,7 +5,10 @@
     .venv/bin/python -m bench.attention_bench --matmul --model --no-attention
 
 Shapes: 9 query heads, 3 KV heads, head_dim 64, block_size 16, physical blocks
-shuffled. Every number is a median over interleaved repeats (the backends of one
+shuffled. ``shared-decode64`` is the product's shared-prefix load: 64 decodes in 4
+groups of 16 whose block tables start with the same 31 physical blocks (a
+500-token prefix; its last partial block is private), each with 16..144 tokens of
+its own. Every number is a median over interleaved repeats (the backends of one
 case take turns, so machine noise hits them alike); "x" columns are ratios to
 the default backend measured in the same run. Attention times are per layer call
 with the step's metadata already built (its per-step cost is printed apart).
@@ -40,18 +43,25 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # --------------------------------------------------------------------------- scenarios
 
 
-def scenario(name: str) -> tuple[list[int], list[int]]:
-    """(query_lens, seq_lens) of a named step."""
+SHARED_GROUPS, SHARED_PREFIX = 4, 500
+
+
+def scenario(name: str) -> tuple[list[int], list[int], list[int | None]]:
+    """(query_lens, seq_lens, shared prefix group of each request or None) of a named step."""
     rng = random.Random(name)
+    if name == "shared-decode64":  # 4 prefixes x 16 decodes, each with 16..144 own tokens
+        seq_lens = [SHARED_PREFIX + rng.randint(16, 144) for _ in range(64)]
+        return [1] * 64, seq_lens, [r % SHARED_GROUPS for r in range(64)]
     if name.startswith("decode"):
         batch = int(name.removeprefix("decode"))
-        return [1] * batch, [rng.randint(560, 640) for _ in range(batch)]
+        return [1] * batch, [rng.randint(560, 640) for _ in range(batch)], [None] * batch
     if name == "prefill500":
-        return [500], [500]
+        return [500], [500], [None]
     if name == "prefill500+cached500":
-        return [500], [1000]
+        return [500], [1000], [None]
     if name == "mixed":  # 32 decodes riding along with a 256-token prefill chunk on a prefix
-        return [1] * 32 + [256], [rng.randint(560, 640) for _ in range(32)] + [768]
+        seq_lens = [rng.randint(560, 640) for _ in range(32)] + [768]
+        return [1] * 32 + [256], seq_lens, [None] * 33
     raise ValueError(name)
 
 
@@ -60,22 +70,36 @@ SCENARIOS = [
     "decode8",
     "decode32",
     "decode64",
+    "shared-decode64",
     "prefill500",
     "prefill500+cached500",
     "mixed",
 ]
 
 
-def build_step(query_lens, seq_lens, dtype, seed=0):
-    """q, caches filled with random K/V, and the metadata, over shuffled physical blocks."""
+def build_step(query_lens, seq_lens, dtype, seed=0, share=None):
+    """q, caches filled with random K/V, and the metadata, over shuffled physical blocks.
+
+    Requests with the same ``share`` group start with the same physical blocks: the
+    full blocks of a SHARED_PREFIX-token prefix, as prefix caching hands them out.
+    """
     rng = random.Random(seed)
-    needed = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
-    num_blocks = sum(needed) + 16
+    share = share or [None] * len(seq_lens)
+    shared_blocks = SHARED_PREFIX // BLOCK_SIZE
+    needed = [
+        (s + BLOCK_SIZE - 1) // BLOCK_SIZE - (shared_blocks if g is not None else 0)
+        for s, g in zip(seq_lens, share, strict=True)
+    ]
+    groups = sorted({g for g in share if g is not None})
+    num_blocks = sum(needed) + shared_blocks * len(groups) + 16
     physical = list(range(num_blocks))
     rng.shuffle(physical)
+    prefix = {}
+    for g in groups:
+        prefix[g], physical = physical[:shared_blocks], physical[shared_blocks:]
     tables = []
-    for n in needed:
-        tables.append(physical[:n])
+    for n, g in zip(needed, share, strict=True):
+        tables.append((prefix[g] if g is not None else []) + physical[:n])
         physical = physical[n:]
     ((k_cache, v_cache),) = allocate_kv_cache(
         1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu"
@@ -115,7 +139,7 @@ def _with_decode_kernel(decode_fn, group_size: int = 1 << 30):
     """The default backend with its per-group decode kernel swapped for ``decode_fn``."""
     import engine.attention as attention
 
-    inner = make_sdpa_backend(group_size)
+    inner = make_sdpa_backend(group_size, cascade=False)
 
     def backend(q, k_cache, v_cache, meta, scale):
         original = attention._sdpa_decode_group
@@ -124,6 +148,52 @@ def _with_decode_kernel(decode_fn, group_size: int = 1 << 30):
             return inner(q, k_cache, v_cache, meta, scale)
         finally:
             attention._sdpa_decode_group = original
+
+    return backend
+
+
+def cascade_explicit_merge():
+    """The default backend with the cascade's suffix pass done by explicit matmuls.
+
+    Each member's own blocks are attended with matmul + float32 softmax, keeping the
+    log-sum-exp, and merged with the prefix result by the formula, instead of the
+    default's single SDPA call that merges through pseudo keys.
+    """
+    import engine.attention as attention
+
+    def suffix(q, k_cache, v_cache, group, scale, prefix_out, prefix_lse):
+        size, num_heads, head_dim = q.shape
+        per_kv = num_heads // NUM_KV_HEADS
+        keys, values = attention._gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+        keys, values = attention._as_float32(keys, values)
+        own = slice(0, group.padded_len)
+        qg = q.reshape(size, NUM_KV_HEADS, per_kv, head_dim).float() * scale
+        scores = torch.empty(NUM_KV_HEADS, size, per_kv, group.padded_len)
+        for j in range(NUM_KV_HEADS):
+            torch.bmm(qg[:, j], keys[:, own, j].transpose(1, 2), out=scores[j])
+        scores += group.mask[:, 0, :, own].unsqueeze(0)  # 0 / -inf for padding
+        row_max = scores.amax(-1, keepdim=True)
+        weights = scores.sub_(row_max).exp_()
+        row_sum = weights.sum(-1, keepdim=True)
+        out = torch.empty(NUM_KV_HEADS, size, per_kv, head_dim)
+        for j in range(NUM_KV_HEADS):
+            torch.bmm(weights[j], values[:, own, j], out=out[j])
+        lse = (row_max + row_sum.log()).squeeze(-1).permute(1, 0, 2).reshape(size, num_heads)
+        out = (out / row_sum).permute(1, 0, 2, 3).reshape(size, num_heads, head_dim)
+        top = torch.maximum(lse, prefix_lse)
+        w_own, w_prefix = (lse - top).exp()[..., None], (prefix_lse - top).exp()[..., None]
+        merged = (out * w_own + prefix_out * w_prefix) / (w_own + w_prefix)
+        return merged.to(q.dtype)
+
+    inner = make_sdpa_backend()
+
+    def backend(q, k_cache, v_cache, meta, scale):
+        original = attention._sdpa_cascade_suffix
+        attention._sdpa_cascade_suffix = suffix
+        try:
+            return inner(q, k_cache, v_cache, meta, scale)
+        finally:
+            attention._sdpa_cascade_suffix = original
 
     return backend
 
@@ -147,6 +217,21 @@ def decode_matmul(q, k_cache, v_cache, group, scale):
     """Decodes with explicit matmul / float32 softmax (fresh gathers)."""
     n = q.shape[0]
     keys, values = _gather_padded(k_cache, group, n), _gather_padded(v_cache, group, n)
+    qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+    if group.mask is not None:
+        scores = scores.masked_fill(~group.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(n, NUM_HEADS, HEAD_DIM)
+
+
+def decode_matmul_reused(q, k_cache, v_cache, group, scale):
+    """Explicit matmul / float32 softmax over K/V gathered into the reused workspace."""
+    import engine.attention as attention
+
+    n = q.shape[0]
+    keys, values = attention._gather_blocks(k_cache, v_cache, group.flat_block_table, n)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [G, kvh, S, d], strided
     qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
     if group.mask is not None:
@@ -218,9 +303,12 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
         fn()
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(repeats):
-        # Rotate who goes first: the first call of a round pays for the others' cache footprint.
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+    order = random.Random(len(names))
+    for _ in range(repeats):
+        # A fresh order every round: a call inherits its predecessor's cache footprint
+        # (a rotation keeps the predecessor fixed, which biased the first column by 20-40%).
+        order.shuffle(names)
+        for name in names:
             start = CLOCK()
             fns[name]()
             times[name].append(CLOCK() - start)
@@ -230,6 +318,8 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 def bench_attention(args) -> None:
     backends: dict[str, Callable] = {
         DEFAULT_BACKEND + " (default)": get_attention_backend("auto"),
+        "sdpa-nocascade": get_attention_backend("sdpa-nocascade"),
+        "cascade-explicit-merge": cascade_explicit_merge(),
         "sdpa-group1": make_sdpa_backend(1),
         "sdpa-group8": make_sdpa_backend(8),
         "sdpa-group16": make_sdpa_backend(16),
@@ -237,20 +327,21 @@ def bench_attention(args) -> None:
         "sdpa-per-request": sdpa_per_request,
         "sdpa-enable_gqa-all": _with_decode_kernel(decode_sdpa_enable_gqa),
         "matmul-all": _with_decode_kernel(decode_matmul),
+        "matmul-reused": _with_decode_kernel(decode_matmul_reused, group_size=4),
         "reference": reference_paged_attention,
     }
     if args.flex:
         backends["flex (compiled)"] = make_flex_backend()
     names = list(backends)
     print(f"\n## paged attention, ms per layer call (median of {args.repeats}); x = / default")
-    header = "| dtype | case | metadata build ms | " + " | ".join(names) + " |"
+    header = "| dtype | case | metadata build ms | decode plan ms | " + " | ".join(names) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for case in args.scenarios:
-            q_lens, s_lens = scenario(case)
-            step = build_step(q_lens, s_lens, dtype)
+            q_lens, s_lens, share = scenario(case)
+            step = build_step(q_lens, s_lens, dtype, share=share)
             q, k_cache, v_cache, meta, tables = step
             fns = {
                 n: (lambda fn=fn, s=step: fn(s[0], s[1], s[2], s[3], SCALE))
@@ -267,6 +358,7 @@ def bench_attention(args) -> None:
                 },
                 args.repeats,
             )["b"]
+            plan = interleaved_medians({"p": lambda m=meta: _plan_decodes(m)}, args.repeats)["p"]
             base = medians[names[0]]
             cells = []
             for n in names:
@@ -274,7 +366,17 @@ def bench_attention(args) -> None:
                     cells.append(f"{medians[n] * 1e3:.3f} ({medians[n] / base:.2f}x)")
                 else:
                     cells.append("-")
-            print(f"| {dtype_name} | {case} | {build * 1e3:.3f} | " + " | ".join(cells) + " |")
+            row = f"| {dtype_name} | {case} | {build * 1e3:.3f} | {plan * 1e3:.3f} | "
+            print(row + " | ".join(cells) + " |")
+
+
+def _plan_decodes(meta: AttentionMetadata) -> None:
+    """The default backend's once-per-step decode planning (cascade groups included)."""
+    import engine.attention as attention
+
+    meta._derived.clear()
+    if meta.num_decodes:
+        attention._decode_plan(meta, None, True, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS)
 
 
 def bench_write_kv(args) -> None:
@@ -282,7 +384,7 @@ def bench_write_kv(args) -> None:
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for case in ("decode64", "prefill500"):
-            q_lens, s_lens = scenario(case)
+            q_lens, s_lens, _ = scenario(case)
             _, k_cache, v_cache, meta, _ = build_step(q_lens, s_lens, dtype)
             k = torch.randn(meta.num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
             args_ = (k_cache, v_cache, k, torch.randn_like(k), meta.slot_mapping)
@@ -339,16 +441,30 @@ def bench_matmul(args) -> None:
             )
 
 
+MODEL_CASES = [
+    "decode1",
+    "decode8",
+    "decode32",
+    "decode64",
+    "shared-decode64",
+    "prefill500",
+    "prefill500+cached500",
+]
+
+
 def bench_model(args) -> None:
-    """One forward step of a random-weight SmolLM2-shaped model through our LlamaForCausalLM."""
+    """One forward step of a random-weight SmolLM2-shaped model through our LlamaForCausalLM.
+
+    Cases with shared prefixes also run with the cascade off (``sdpa-nocascade``).
+    """
     from transformers import LlamaConfig
 
     from engine.models.llama import LlamaForCausalLM
 
     config = LlamaConfig(**SMOLLM2)
     print("\n## SmolLM2-shaped model step (30 layers), median ms; x = bf16 / fp32")
-    print("| case | fp32 | bf16 | x |")
-    print("|---|---|---|---|")
+    print("| case | fp32 | bf16 | x | fp32 no cascade | bf16 no cascade |")
+    print("|---|---|---|---|---|---|")
     models = {}
     for name in ("fp32", "bf16"):
         torch.manual_seed(0)
@@ -356,36 +472,40 @@ def bench_model(args) -> None:
         for p in model.parameters():
             p.normal_(0, 0.02)
         models[name] = model
-    for case in (
-        "decode1",
-        "decode8",
-        "decode32",
-        "decode64",
-        "prefill500",
-        "prefill500+cached500",
-    ):
-        q_lens, s_lens = scenario(case)
+    backends = {"": get_attention_backend("auto"), " nc": get_attention_backend("sdpa-nocascade")}
+    for case in args.model_cases:
+        q_lens, s_lens, share = scenario(case)
         fns = {}
         for name, model in models.items():
-            _, _, _, meta, tables = build_step(q_lens, s_lens, model.dtype)
+            _, _, _, meta, tables = build_step(q_lens, s_lens, model.dtype, share=share)
             kv = allocate_kv_cache(
                 model.num_layers, max(max(t) for t in tables) + 1, BLOCK_SIZE,
                 NUM_KV_HEADS, HEAD_DIM, model.dtype, "cpu",
             )  # fmt: skip
             ids = torch.randint(0, SMOLLM2["vocab_size"], (meta.num_tokens,))
             last = torch.tensor(meta.query_start_loc_list[1:]) - 1
+            for suffix, backend in backends.items():
+                if suffix and not any(g is not None for g in share):
+                    continue  # no shared prefix: the same path as the default
 
-            def step(model=model, meta=meta, kv=kv, ids=ids, last=last):
-                meta._derived.clear()  # per-step work included, as in serving
-                hidden = model(ids, meta.positions, kv, meta)
-                return model.compute_logits(hidden[last])
+                def step(model=model, meta=meta, kv=kv, ids=ids, last=last, backend=backend):
+                    for layer in model.layers:  # the backend each layer calls
+                        layer.attn = backend
+                    meta._derived.clear()  # per-step work included, as in serving
+                    hidden = model(ids, meta.positions, kv, meta)
+                    return model.compute_logits(hidden[last])
 
-            fns[name] = step
+                fns[name + suffix] = step
         with torch.inference_mode():
             med = interleaved_medians(fns, max(3, args.repeats // 4))
+        cells = [f"{med[n] * 1e3:.1f}" if n in med else "-" for n in ("fp32 nc", "bf16 nc")]
         print(
-            f"| {case} | {med['fp32'] * 1e3:.1f} | {med['bf16'] * 1e3:.1f} | {med['bf16'] / med['fp32']:.2f} |"
+            f"| {case} | {med['fp32'] * 1e3:.1f} | {med['bf16'] * 1e3:.1f} | "
+            f"{med['bf16'] / med['fp32']:.2f} | " + " | ".join(cells) + " |"
         )
+    for model in models.values():
+        for layer in model.layers:
+            layer.attn = get_attention_backend("auto")
 
 
 def main() -> None:
@@ -406,6 +526,7 @@ def main() -> None:
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--matmul", action="store_true", help="fp32 vs bf16 F.linear throughput")
     parser.add_argument("--model", action="store_true", help="SmolLM2-shaped model step times")
+    parser.add_argument("--model-cases", nargs="+", default=MODEL_CASES, choices=MODEL_CASES)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,18 +10,24 @@ Query ``i`` of a request with query length ``L`` and context length ``S`` sits a
 position ``S - L + i`` and attends to keys ``0 .. S - L + i`` (causal over cached
 prefix + new tokens). A decode is simply ``L == 1``: it attends to all ``S`` keys.
 
-Two backends share one signature ``(q, k_cache, v_cache, meta, scale) -> out``:
+Backends share one signature ``(q, k_cache, v_cache, meta, scale) -> out``:
 
 * ``reference``: per request, gather its keys and compute
   ``softmax(q k^T * scale + causal mask) v`` explicitly in float32. Slow, obvious.
 * ``sdpa`` (the default, "auto"): single-token queries (decodes) are attended in
   groups, one padded ``scaled_dot_product_attention`` call per group with a
   key-padding mask (the query heads of a KV head become that call's query rows,
-  so GQA needs no K/V repeat); on CPU a group is 4 requests, so its gathered K/V
-  stays in cache, elsewhere all decodes go in one call. Each multi-token query
-  (prefill, chunk) gets its own SDPA call with a causal mask offset by its cached
-  prefix. bench/attention_bench.py compares it with the alternatives and
-  bench/attention.md has the numbers.
+  so GQA needs no K/V repeat); on CPU a group is capped at ~4 requests of ~600
+  tokens, so its gathered K/V stays in cache, elsewhere all decodes go in one
+  call. Decodes whose block tables start with the same physical blocks (a shared
+  cached prefix) are attended as a cascade: the prefix once for the whole group,
+  then each member's own blocks, merged exactly through the log-sum-exp (see
+  "decode plan" below). Each multi-token query (prefill, chunk) gets its own SDPA
+  call with a causal mask offset by its cached prefix.
+* ``sdpa-nocascade``: ``sdpa`` without the cascade, for A/B comparisons.
+
+bench/attention_bench.py compares them with the alternatives and
+bench/attention.md has the numbers.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ __all__ = [
     "reference_paged_attention",
     "sdpa_paged_attention",
     "make_sdpa_backend",
+    "CascadeGroup",
+    "cascade_groups",
     "paged_attention",
     "get_attention_backend",
     "ATTENTION_BACKENDS",
@@ -91,6 +99,8 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_decodes: int  # requests with query length 1 (anywhere in the batch)
+    # block_tables on the host (int64): per-step planning reads it without a device sync.
+    block_tables_host: np.ndarray | None = field(default=None, repr=False, compare=False)
     # Per-step tensors derived lazily by a backend and shared by all layers.
     _derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -162,6 +172,7 @@ class AttentionMetadata:
             max_seq_len=int(s_lens.max()) if num_reqs else 0,
             block_size=block_size,
             num_decodes=int((q_lens == 1).sum()),
+            block_tables_host=table,
         )
 
 
@@ -226,55 +237,313 @@ def reference_paged_attention(
     return out
 
 
-# --------------------------------------------------------------------------- fast (SDPA)
+# --------------------------------------------------------------------------- decode plan
+#
+# Decodes are planned once per step (at the first layer) and the plan is memoised on
+# the metadata. A decode is either "plain" (attended over its whole context in padded
+# groups) or a member of a cascade group: decodes whose block tables start with the
+# same physical blocks, i.e. a shared cached prefix. A cascade group reads its prefix
+# K/V once for all members (one matmul per KV head against all their queries, keeping
+# each row's log-sum-exp), then each member attends over its own remaining blocks.
+#
+# The two partial softmaxes are merged exactly inside the second SDPA call: a member's
+# prefix result (output o, log-sum-exp L, per query head) enters as one extra key per
+# query row with score L (a zero key plus an additive mask of L) and value o, visible
+# to that row only. Softmax over [own keys, pseudo key] then weighs o by
+# e^L / (e^L + sum_own e^s), which is exactly the log-sum-exp merge
+# (o1 e^{L1-m} + o2 e^{L2-m}) / (e^{L1-m} + e^{L2-m}); SDPA does it in float32 and
+# with its fast kernel, where an explicit merge needs a slower explicit suffix pass.
+
+
+@dataclass(frozen=True)
+class CascadeGroup:
+    """Decode requests whose block tables begin with the same ``shared_blocks`` physical blocks."""
+
+    requests: tuple[int, ...]  # indices into the batch
+    shared_blocks: int
 
 
 @dataclass
 class _DecodeGroup:
-    """Up to ``decode_group`` single-token queries attended in one SDPA call."""
+    """Single-token queries attended in one SDPA call, each over a run of its blocks."""
 
     token_slice: slice | None  # the group's tokens are a contiguous run, or
     token_index: torch.Tensor | None  # their token indices otherwise
-    flat_block_table: torch.Tensor  # [G * blocks of the group's longest request] int64
-    padded_len: int  # key slots gathered per request (blocks * block_size)
-    mask: torch.Tensor | None  # [G, 1, 1, padded_len] bool key validity; None if no padding
+    flat_block_table: torch.Tensor  # [G * (blocks + extra)] int64
+    padded_len: int  # own key slots gathered per request (blocks * block_size)
+    mask: torch.Tensor | None  # bool [G, 1, 1, keys] key validity (None: no padding), or
+    # float [G, kvh, h/kvh, keys] (0 / -inf) for a cascade suffix group, whose
+    # pseudo-key diagonal is rewritten with the prefix log-sum-exp at every layer
+    carry_rows: slice | None = None  # cascade suffix group: its rows of the prefix results
 
 
-def _decode_groups(meta: AttentionMetadata, group_size: int | None) -> list[_DecodeGroup]:
-    """Split the step's single-token queries into consecutive groups (memoised per step)."""
-    key = ("decode_groups", group_size)
+@dataclass
+class _PrefixBatch:
+    """Cascade groups whose shared prefixes are attended together (padded to the largest)."""
+
+    q_index: torch.Tensor  # [groups * members] token index of each query (padding repeats one)
+    flat_block_table: torch.Tensor  # [groups * blocks] int64
+    num_groups: int
+    max_members: int
+    prefix_len: int  # blocks * block_size
+    key_bias: torch.Tensor | None  # float [groups, 1, prefix_len]: 0 / -inf, None if unpadded
+
+
+@dataclass
+class _DecodePlan:
+    """A step's decodes: plain groups, and cascade groups as prefix batches + suffix groups."""
+
+    plain: list[_DecodeGroup]
+    cascade: list[CascadeGroup]
+    prefix_batches: list[_PrefixBatch]
+    # Row of each cascade member's prefix result (prefix batches' rows concatenated),
+    # in the order of the suffix groups' members.
+    carry_index: torch.Tensor | None
+    suffix: list[_DecodeGroup]
+
+
+def _common_blocks(table: np.ndarray, rows: list[int], cap: np.ndarray) -> list[int]:
+    """Equal leading block ids of each pair of consecutive ``rows``, capped by both caps."""
+    t = table[rows]
+    limit = np.minimum(cap[rows][:-1], cap[rows][1:])
+    differs = (t[:-1] != t[1:]) | (np.arange(t.shape[1])[None, :] >= limit[:, None])
+    # A sentinel column so that rows equal to the end count as differing there.
+    differs = np.concatenate([differs, np.ones((len(rows) - 1, 1), dtype=bool)], axis=1)
+    return differs.argmax(axis=1).tolist()
+
+
+def _best_runs(links: list[int], lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Split sorted rows lo..hi into runs (lo, hi, shared) maximising blocks read once, not n times.
+
+    ``links[i]`` is the common prefix of rows i and i+1, so a run shares the minimum of
+    its links and saves ``(size - 1) * shared`` block reads. Splitting at the links
+    equal to that minimum lets each part share more; keep whichever saves more.
+    """
+    if lo == hi:
+        return 0, []
+    shared = min(links[lo:hi])
+    saved, runs, start = 0, [], lo
+    for k in [*(k for k in range(lo, hi) if links[k] == shared), hi]:
+        part_saved, part_runs = _best_runs(links, start, k)
+        saved += part_saved
+        runs += part_runs
+        start = k + 1
+    whole = (hi - lo) * shared
+    if shared > 0 and whole >= saved:
+        return whole, [(lo, hi, shared)]
+    return saved, runs
+
+
+def cascade_groups(meta: AttentionMetadata) -> list[CascadeGroup]:
+    """The step's decodes that share leading physical blocks (memoised per step).
+
+    Only whole blocks strictly before each member's last token are shared, so every
+    member keeps at least one token of its own (prefix caching only shares full
+    blocks, and a decode writes its new token into a block of its own).
+    """
+    key = "cascade_groups"
+    if key in meta._derived:
+        return meta._derived[key]
+    table = _host_table(meta)
+    cap = (np.asarray(meta.seq_lens_list, dtype=np.int64) - 1) // meta.block_size
+    candidates = [r for r, n in enumerate(meta.query_lens) if n == 1 and cap[r] > 0]
+    groups: list[CascadeGroup] = []
+    if len(candidates) >= 2:
+        # Sorted block tables put every shared prefix in a run of consecutive rows.
+        rows = sorted(candidates, key=lambda r: table[r, : cap[r]].tolist())
+        _, runs = _best_runs(_common_blocks(table, rows, cap), 0, len(rows) - 1)
+        groups = [CascadeGroup(tuple(sorted(rows[lo : hi + 1])), s) for lo, hi, s in runs]
+    meta._derived[key] = groups
+    return groups
+
+
+def _decode_groups(
+    meta: AttentionMetadata,
+    group_size: int | None,
+    entries: list[tuple[int, int]],
+    extra_blocks: int = 0,
+    heads: tuple[int, int] = (1, 1),
+) -> list[_DecodeGroup]:
+    """Pack decodes, given as (request, first block to attend), into SDPA calls.
+
+    ``extra_blocks > 0`` makes cascade suffix groups: after each request's own
+    blocks, that many more key blocks whose first slots receive the pseudo keys
+    carrying the prefix result, and a float mask ``[G, *heads, keys]`` where heads
+    is (KV heads, query heads per KV head).
+    """
+    if not entries:
+        return []
+    device = meta.block_tables.device
+    bs = meta.block_size
+    reqs = np.array([r for r, _ in entries], dtype=np.int64)
+    first = np.array([b for _, b in entries], dtype=np.int64)
+    own = np.asarray(meta.seq_lens_list, dtype=np.int64)[reqs] - first * bs  # keys to attend
+    own_blocks = -(-own // bs)
+    # A tuning choice: on CPU a group's gathered K/V should stay in cache, so groups
+    # are capped in padded keys; elsewhere one call takes every decode.
+    key_budget = CPU_DECODE_KEYS if group_size is None and device.type == "cpu" else None
+    groups: list[_DecodeGroup] = []
+    for lo, hi in _group_bounds(own_blocks.tolist(), bs, group_size, key_budget):
+        blocks = int(own_blocks[lo:hi].max())
+        # Each row: the request's own blocks, then repeats of its last one (masked).
+        cols = np.minimum(np.arange(blocks + extra_blocks), own_blocks[lo:hi, None] - 1)
+        table = _host_table(meta)[reqs[lo:hi, None], first[lo:hi, None] + cols]
+        keys = torch.arange((blocks + extra_blocks) * bs, device=device)
+        valid = keys[None, :] < torch.from_numpy(own[lo:hi]).to(device)[:, None]
+        if extra_blocks:
+            mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+            mask = mask.masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None, :].repeat(1, *heads, 1)
+        else:
+            mask = None if (own[lo:hi] == blocks * bs).all() else valid[:, None, None, :]
+        token_slice, token_index = _token_selector(meta, reqs[lo:hi].tolist(), device)
+        groups.append(
+            _DecodeGroup(
+                token_slice=token_slice,
+                token_index=token_index,
+                flat_block_table=torch.from_numpy(table.reshape(-1)).to(device),
+                padded_len=blocks * bs,
+                mask=mask,
+                carry_rows=slice(lo, hi) if extra_blocks else None,
+            )
+        )
+    return groups
+
+
+def _group_bounds(
+    own_blocks: list[int], block_size: int, group_size: int | None, key_budget: int | None
+) -> list[tuple[int, int]]:
+    """Consecutive groups: ``group_size`` requests each, or as many as keep (members x
+    longest padded length) within ``key_budget`` (at least one), or all in one."""
+    n = len(own_blocks)
+    if group_size is not None:
+        return [(lo, min(lo + group_size, n)) for lo in range(0, n, group_size)]
+    if key_budget is None:
+        return [(0, n)]
+    bounds, lo, longest = [], 0, 0
+    for i, blocks in enumerate(own_blocks):
+        longest = max(longest, blocks * block_size)
+        if i > lo and (i + 1 - lo) * longest > key_budget:
+            bounds.append((lo, i))
+            lo, longest = i, blocks * block_size
+    bounds.append((lo, n))
+    return bounds
+
+
+def _token_selector(
+    meta: AttentionMetadata, reqs: list[int], device: torch.device
+) -> tuple[slice | None, torch.Tensor | None]:
+    """The requests' (single) tokens as a slice when contiguous, else an index tensor."""
+    tokens = [meta.query_start_loc_list[r] for r in reqs]
+    if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+        return slice(tokens[0], tokens[-1] + 1), None
+    return None, torch.tensor(tokens, device=device)
+
+
+def _pack_prefix_batches(groups: list[CascadeGroup]) -> list[list[CascadeGroup]]:
+    """Batch cascade groups for the prefix pass while padding adds at most half the work.
+
+    A batch is padded to its most members and longest prefix; a separate batch
+    costs only a dozen more small ops, so it wins once padding costs more.
+    """
+    batches: list[list[CascadeGroup]] = []
+    for group in sorted(groups, key=lambda g: (len(g.requests), g.shared_blocks), reverse=True):
+        if batches:
+            candidate = [*batches[-1], group]
+            members = max(len(g.requests) for g in candidate)
+            blocks = max(g.shared_blocks for g in candidate)
+            work = sum(len(g.requests) * g.shared_blocks for g in candidate)
+            if 2 * len(candidate) * members * blocks <= 3 * work:
+                batches[-1] = candidate
+                continue
+        batches.append([group])
+    return batches
+
+
+def _prefix_batch(
+    meta: AttentionMetadata, batch: list[CascadeGroup], device: torch.device
+) -> _PrefixBatch:
+    """Query tokens and prefix blocks of a batch of groups, padded to its largest group."""
+    bs = meta.block_size
+    members = max(len(g.requests) for g in batch)
+    blocks = max(g.shared_blocks for g in batch)
+    q_tokens, table = [], []
+    for g in batch:
+        tokens = [meta.query_start_loc_list[r] for r in g.requests]
+        q_tokens += tokens + [tokens[0]] * (members - len(tokens))
+        ids = _host_table(meta)[g.requests[0], : g.shared_blocks].tolist()
+        table += ids + [ids[0]] * (blocks - len(ids))
+    key_bias = None
+    if any(g.shared_blocks != blocks for g in batch):
+        shared = torch.tensor([g.shared_blocks * bs for g in batch], device=device)
+        valid = torch.arange(blocks * bs, device=device)[None, :] < shared[:, None]
+        key_bias = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+        key_bias = key_bias.masked_fill_(~valid, float("-inf"))[:, None, :]
+    return _PrefixBatch(
+        q_index=torch.tensor(q_tokens, device=device),
+        flat_block_table=torch.tensor(table, dtype=torch.int64, device=device),
+        num_groups=len(batch),
+        max_members=members,
+        prefix_len=blocks * bs,
+        key_bias=key_bias,
+    )
+
+
+def _decode_plan(
+    meta: AttentionMetadata,
+    group_size: int | None,
+    use_cascade: bool,
+    num_kv_heads: int,
+    queries_per_kv: int,
+) -> _DecodePlan:
+    """How this step's decodes are attended (memoised per step, shared by all layers)."""
+    key = ("decode_plan", group_size, use_cascade, num_kv_heads, queries_per_kv)
     if key in meta._derived:
         return meta._derived[key]
     device = meta.block_tables.device
-    if group_size is None:
-        group_size = CPU_DECODE_GROUP if device.type == "cpu" else 1 << 30
-    reqs = [r for r, n in enumerate(meta.query_lens) if n == 1]
-    groups = []
-    for i in range(0, len(reqs), group_size):
-        members = reqs[i : i + group_size]
-        tokens = [meta.query_start_loc_list[r] for r in members]
-        contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
-        seq_lens = [meta.seq_lens_list[r] for r in members]
-        num_blocks = (max(seq_lens) + meta.block_size - 1) // meta.block_size
-        padded_len = num_blocks * meta.block_size
-        idx = torch.tensor(members, device=device)
-        tables = meta.block_tables.index_select(0, idx)[:, :num_blocks]
-        mask = None
-        if any(n != padded_len for n in seq_lens):
-            key_pos = torch.arange(padded_len, device=device)
-            valid = key_pos[None, :] < meta.seq_lens.index_select(0, idx)[:, None]
-            mask = valid.view(len(members), 1, 1, padded_len)
-        groups.append(
-            _DecodeGroup(
-                token_slice=slice(tokens[0], tokens[-1] + 1) if contiguous else None,
-                token_index=None if contiguous else torch.tensor(tokens, device=device),
-                flat_block_table=tables.reshape(-1).long(),
-                padded_len=padded_len,
-                mask=mask,
-            )
+    groups = cascade_groups(meta) if use_cascade else []
+    in_cascade = {r for g in groups for r in g.requests}
+    plain_entries = [
+        (r, 0) for r, n in enumerate(meta.query_lens) if n == 1 and r not in in_cascade
+    ]
+    plan = _DecodePlan(
+        plain=_decode_groups(meta, group_size, plain_entries),
+        cascade=groups,
+        prefix_batches=[],
+        carry_index=None,
+        suffix=[],
+    )
+    if groups:
+        row_of: dict[int, int] = {}
+        for batch in _pack_prefix_batches(groups):
+            prefix = _prefix_batch(meta, batch, device)
+            base = sum(b.num_groups * b.max_members for b in plan.prefix_batches)
+            for i, g in enumerate(batch):
+                for j, r in enumerate(g.requests):
+                    row_of[r] = base + i * prefix.max_members + j
+            plan.prefix_batches.append(prefix)
+        # Members in order of own length, so suffix groups pad little.
+        members = sorted(
+            ((r, g.shared_blocks) for g in groups for r in g.requests),
+            key=lambda e: meta.seq_lens_list[e[0]] - e[1] * meta.block_size,
         )
-    meta._derived[key] = groups
-    return groups
+        plan.carry_index = torch.tensor([row_of[r] for r, _ in members], device=device)
+        extra_blocks = -(-queries_per_kv // meta.block_size)
+        plan.suffix = _decode_groups(
+            meta, group_size, members, extra_blocks, (num_kv_heads, queries_per_kv)
+        )
+    meta._derived[key] = plan
+    return plan
+
+
+def _host_table(meta: AttentionMetadata) -> np.ndarray:
+    """Block tables as a host array (the builder keeps one; otherwise one device read)."""
+    if meta.block_tables_host is None:
+        meta.block_tables_host = np.asarray(meta.block_tables.tolist(), dtype=np.int64)
+    return meta.block_tables_host
+
+
+# --------------------------------------------------------------------------- fast (SDPA)
 
 
 class _GatherWorkspace:
@@ -304,6 +573,29 @@ class _GatherWorkspace:
 _workspace = _GatherWorkspace()
 
 
+def _gather_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, flat_block_table: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks gathered into the workspace as ``[rows, keys per row, kvh, d]`` K and V."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    n = flat_block_table.numel()
+    block_numel = block_size * num_kv_heads * head_dim
+    k_buf, v_buf = _workspace.get((n, block_numel), k_cache)
+    # Blocks as flat rows: index_select copies 2-D rows faster than 4-D slices.
+    torch.index_select(k_cache.view(-1, block_numel), 0, flat_block_table, out=k_buf)
+    torch.index_select(v_cache.view(-1, block_numel), 0, flat_block_table, out=v_buf)
+    shape = (rows, n // rows * block_size, num_kv_heads, head_dim)
+    return k_buf.view(shape), v_buf.view(shape)
+
+
+def _as_float32(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered K/V in float32: as they are, or copied into the float32 workspace."""
+    if keys.dtype == torch.float32:
+        return keys, values
+    k32, v32 = _workspace.get(tuple(keys.shape), keys.new_empty((), dtype=torch.float32))
+    return k32.copy_(keys), v32.copy_(values)
+
+
 def _sdpa_decode_group(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -313,18 +605,114 @@ def _sdpa_decode_group(
 ) -> torch.Tensor:
     """One SDPA call for a group of single-token queries: ``[G, h, d]`` in and out."""
     size, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    idx = group.flat_block_table
-    k_buf, v_buf = _workspace.get((idx.numel(), block_size, num_kv_heads, head_dim), k_cache)
-    torch.index_select(k_cache, 0, idx, out=k_buf)
-    torch.index_select(v_cache, 0, idx, out=v_buf)
-    # [G * blocks, block_size, kvh, d] -> [G, kvh, padded_len, d] (strided view, no copy)
-    keys = k_buf.view(size, group.padded_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_buf.view(size, group.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    num_kv_heads = k_cache.shape[2]
+    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size)
     # The query heads sharing a KV head act as that head's query rows: GQA without repeat.
     qg = q.reshape(size, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
+    )
     return out.reshape(size, num_heads, head_dim)
+
+
+def _attend_prefixes(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every cascade member's attention over its group's shared prefix, float32.
+
+    Returns the normalised output ``[N, h, d]`` and log-sum-exp of the scaled scores
+    ``[N, h]`` of the N members, in the order of the suffix groups.
+    """
+    results = [_attend_prefix_batch(q, k_cache, v_cache, b, scale) for b in plan.prefix_batches]
+    out = torch.cat([o for o, _ in results]) if len(results) > 1 else results[0][0]
+    lse = torch.cat([s for _, s in results]) if len(results) > 1 else results[0][1]
+    return out.index_select(0, plan.carry_index), lse.index_select(0, plan.carry_index)
+
+
+def _attend_prefix_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: _PrefixBatch,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ``[G*M, h, d]`` and log-sum-exp ``[G*M, h]`` of M query slots per group."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    groups, members, prefix_len = batch.num_groups, batch.max_members, batch.prefix_len
+    keys, values = _gather_blocks(k_cache, v_cache, batch.flat_block_table, groups)
+    keys, values = _as_float32(keys, values)
+    # All of a group's queries that read one KV head form one matrix: [kvh, G, M * per_kv, d].
+    qs = q.index_select(0, batch.q_index).view(groups, members, num_kv_heads, per_kv, head_dim)
+    qs = qs.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, groups, members * per_kv, head_dim)
+    qs = qs.float() * scale
+    scores = q.new_empty((num_kv_heads, groups, members * per_kv, prefix_len), dtype=torch.float32)
+    for j in range(num_kv_heads):  # strided K/V views, no copy (one batched call copies them)
+        torch.bmm(qs[j], keys[:, :, j].transpose(1, 2), out=scores[j])
+    if batch.key_bias is not None:
+        scores += batch.key_bias
+    # Softmax by hand (torch.logsumexp plus a normalising pass was slower), in place.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(row_max).exp_()
+    row_sum = weights.sum(dim=-1, keepdim=True)
+    out = torch.empty_like(qs)
+    for j in range(num_kv_heads):
+        torch.bmm(weights[j], values[:, :, j], out=out[j])
+    out /= row_sum
+    lse = (row_max + row_sum.log()).squeeze(-1)
+    # Back to one row per query slot, heads in q's order (KV head major).
+    out = out.view(num_kv_heads, groups, members, per_kv, head_dim).permute(1, 2, 0, 3, 4)
+    lse = lse.view(num_kv_heads, groups, members, per_kv).permute(1, 2, 0, 3)
+    return out.reshape(-1, num_heads, head_dim), lse.reshape(-1, num_heads)
+
+
+def _sdpa_cascade_suffix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+) -> torch.Tensor:
+    """Cascade members' own blocks, merged with their prefix results: ``[G, h, d]`` in and out.
+
+    Computes in float32 whatever the cache dtype: the prefix's log-sum-exp enters
+    through the mask, and rounded to bf16 it would misweigh the prefix by up to ~3%.
+    """
+    size, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+    keys, values = _as_float32(keys, values)
+    # Query row r of KV head j sees pseudo key r (zero key, mask = its prefix lse)
+    # holding its prefix output as value; the base mask hides the other pseudo keys.
+    pseudo = slice(group.padded_len, group.padded_len + per_kv)
+    keys[:, pseudo] = 0
+    values[:, pseudo] = prefix_out.view(size, num_kv_heads, per_kv, head_dim).transpose(1, 2)
+    mask = group.mask
+    torch.diagonal(mask[..., pseudo], dim1=2, dim2=3).copy_(
+        prefix_lse.view(size, num_kv_heads, per_kv)
+    )
+    qg = q.reshape(size, num_kv_heads, per_kv, head_dim).float()
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.reshape(size, num_heads, head_dim).to(q.dtype)
+
+
+def _take(q: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
+    if group.token_slice is not None:
+        return q[group.token_slice]
+    return q.index_select(0, group.token_index)
+
+
+def _put(out: torch.Tensor, group: _DecodeGroup, result: torch.Tensor) -> None:
+    if group.token_slice is not None:
+        out[group.token_slice] = result
+    else:
+        out.index_copy_(0, group.token_index, result)
 
 
 def _causal_mask(meta: AttentionMetadata, q_len: int, seq_len: int, device: torch.device):
@@ -364,11 +752,12 @@ def _sdpa_prefill(
     return out[0].transpose(0, 1)
 
 
-def make_sdpa_backend(decode_group: int | None = None) -> AttentionBackend:
-    """SDPA backend attending single-token queries in groups of ``decode_group`` per call.
+def make_sdpa_backend(decode_group: int | None = None, cascade: bool = True) -> AttentionBackend:
+    """SDPA backend; ``decode_group`` plain decodes per call, ``cascade`` shared-prefix decoding.
 
-    None picks by device: small groups on CPU, where a group's gathered K/V should
-    stay in cache, and all decodes in one call elsewhere (one kernel launch on GPU).
+    ``decode_group=None`` picks by device: on CPU groups capped in gathered keys, so
+    a group's K/V stays in cache, and all decodes in one call elsewhere (one kernel
+    launch on GPU). ``cascade=False`` attends every decode over its whole context.
     """
 
     def sdpa_paged_attention(
@@ -378,17 +767,26 @@ def make_sdpa_backend(decode_group: int | None = None) -> AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Fast path: grouped SDPA for decodes, one SDPA per multi-token request."""
+        """Decodes in groups (shared prefixes read once), one SDPA per multi-token request."""
         # q may be a strided view into a fused QKV projection; the output is always contiguous.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for group in _decode_groups(meta, decode_group):
-            if group.token_slice is not None:
-                sl = group.token_slice
-                out[sl] = _sdpa_decode_group(q[sl], k_cache, v_cache, group, scale)
-            else:
-                qs = q.index_select(0, group.token_index)
-                res = _sdpa_decode_group(qs, k_cache, v_cache, group, scale)
-                out.index_copy_(0, group.token_index, res)
+        if meta.num_decodes:
+            num_kv_heads = k_cache.shape[2]
+            plan = _decode_plan(
+                meta, decode_group, cascade, num_kv_heads, q.shape[1] // num_kv_heads
+            )
+            for group in plan.plain:
+                result = _sdpa_decode_group(_take(q, group), k_cache, v_cache, group, scale)
+                _put(out, group, result)
+            if plan.suffix:
+                prefix_out, prefix_lse = _attend_prefixes(q, k_cache, v_cache, plan, scale)
+                for group in plan.suffix:
+                    rows = group.carry_rows
+                    result = _sdpa_cascade_suffix(
+                        _take(q, group), k_cache, v_cache, group, scale,
+                        prefix_out[rows], prefix_lse[rows],
+                    )  # fmt: skip
+                    _put(out, group, result)
         starts = meta.query_start_loc_list
         for r, q_len in enumerate(meta.query_lens):
             if q_len == 1:
@@ -405,15 +803,18 @@ def make_sdpa_backend(decode_group: int | None = None) -> AttentionBackend:
 
 # --------------------------------------------------------------------------- selection
 
-# Decodes per SDPA call on CPU, measured in bench/attention_bench.py (bench/attention.md):
-# 4 SmolLM2 requests of ~600 tokens gather ~2-4 MB of K/V, about one core's L2.
-CPU_DECODE_GROUP = 4
+# Padded keys per decode SDPA call on CPU, measured in bench/attention_bench.py
+# (bench/attention.md): 4 SmolLM2 requests of ~600 tokens, ~2-4 MB of K/V, about one
+# core's L2.
+CPU_DECODE_KEYS = 2560
 
 sdpa_paged_attention = make_sdpa_backend()
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": reference_paged_attention,
     "sdpa": sdpa_paged_attention,
+    # Every decode over its whole context, shared prefixes or not: for A/B runs.
+    "sdpa-nocascade": make_sdpa_backend(cascade=False),
 }
 
 # "auto" resolves to this; see bench/attention.md for the measurements behind it.

@@ -7,9 +7,12 @@ import random
 import pytest
 import torch
 
+import engine.attention as attention
 from engine.attention import (
     AttentionMetadata,
+    CascadeGroup,
     allocate_kv_cache,
+    cascade_groups,
     get_attention_backend,
     make_sdpa_backend,
     reference_paged_attention,
@@ -27,30 +30,52 @@ def make_batch(
     head_dim: int,
     dtype: torch.dtype,
     block_size: int = BLOCK_SIZE,
+    share: list[tuple[str, int] | None] | None = None,
 ):
     """A step over requests given as (query_len, seq_len), with shuffled physical blocks.
 
+    ``share[r] = (name, n)`` makes request r's first n blocks the first n physical
+    blocks (and K/V) of prefix ``name``, as prefix caching does; None = all its own.
     Returns q, the caches (already holding every request's full context), the
     metadata and each request's contiguous K/V (``[S, kvh, d]``) for dense checks.
     """
-    blocks_needed = [(s + block_size - 1) // block_size for _, s in shapes]
-    num_blocks = sum(blocks_needed) + 3  # a few never-used blocks
+    share = share or [None] * len(shapes)
+    prefix_blocks: dict[str, int] = {}
+    for entry in share:
+        if entry is not None:
+            prefix_blocks[entry[0]] = max(prefix_blocks.get(entry[0], 0), entry[1])
+    own_blocks = [
+        (s + block_size - 1) // block_size - (entry[1] if entry else 0)
+        for (_, s), entry in zip(shapes, share, strict=True)
+    ]
+    num_blocks = sum(own_blocks) + sum(prefix_blocks.values()) + 3  # a few never-used blocks
     physical = list(range(num_blocks))
     rng.shuffle(physical)
-    tables, dense_kv = [], []
-    for n in blocks_needed:
-        tables.append(physical[:n])
+    prefixes = {}
+    for name, n in prefix_blocks.items():
+        kv = torch.randn(2, n * block_size, num_kv_heads, head_dim).to(dtype)
+        prefixes[name] = (physical[:n], kv)
         physical = physical[n:]
+    tables, dense_kv = [], []
+    for n, (_, seq_len), entry in zip(own_blocks, shapes, share, strict=True):
+        k = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+        table = physical[:n]
+        physical = physical[n:]
+        if entry is not None:
+            blocks, kv = prefixes[entry[0]]
+            table = blocks[: entry[1]] + table
+            k[: entry[1] * block_size] = kv[0, : entry[1] * block_size]
+            v[: entry[1] * block_size] = kv[1, : entry[1] * block_size]
+        tables.append(table)
+        dense_kv.append((k, v))
     ((k_cache, v_cache),) = allocate_kv_cache(
         1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu"
     )
     # Cached prefixes are written token by token through the flat view (independent of
     # write_kv); the step's new tokens go in through write_kv like the model does.
     new_k, new_v = [], []
-    for (q_len, seq_len), table in zip(shapes, tables, strict=True):
-        k = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
-        dense_kv.append((k, v))
+    for (q_len, seq_len), table, (k, v) in zip(shapes, tables, dense_kv, strict=True):
         for pos in range(seq_len - q_len):
             slot = table[pos // block_size] * block_size + pos % block_size
             k_cache.view(-1, num_kv_heads, head_dim)[slot] = k[pos]
@@ -205,7 +230,204 @@ def test_fast_backend_any_decode_grouping_equals_reference(group):
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_backend_without_cascade_equals_reference(decodes_first):
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    shapes, share, _ = sharing_step()
+    order = sorted(range(len(shapes)), key=lambda r: shapes[r][0] != 1 if decodes_first else 0)
+    q, k_cache, v_cache, meta, _ = make_batch(
+        rng, [shapes[r] for r in order], 6, 2, 8, torch.float32, share=[share[r] for r in order]
+    )
+    fast = get_attention_backend("sdpa-nocascade")(q, k_cache, v_cache, meta, 0.3)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_attention_backend("nope")
     assert get_attention_backend("reference") is reference_paged_attention
+
+
+# --------------------------------------------------------------------------- cascade
+
+
+def sharing_step():
+    """Decodes in several prefix-sharing groups, mixed with prefills and lone decodes.
+
+    Returns shapes, the share spec for make_batch and the cascade groups expected
+    (BLOCK_SIZE 4: a decode may share whole blocks strictly before its last token).
+    """
+    rows = [
+        ((1, 21), ("a", 5)),  # seq_len = shared tokens + 1
+        ((6, 30), None),  # a prefill
+        ((1, 33), ("a", 5)),
+        ((1, 14), ("b", 3)),  # the prefix covers all but the last, partial block
+        ((1, 25), None),  # a decode sharing nothing
+        ((1, 27), ("a", 5)),
+        ((1, 23), ("b", 3)),
+        ((5, 25), ("a", 5)),  # a prefill on the shared prefix: not part of the cascade
+        ((1, 40), ("c", 2)),  # alone with its prefix: a plain decode
+        ((1, 13), ("b", 3)),
+        ((1, 12), ("d", 3)),  # its last token is in the third block: shares only 2
+        ((1, 20), ("d", 3)),
+        ((1, 29), ("a", 5)),
+    ]
+    expected = {
+        CascadeGroup((0, 2, 5, 12), 5),
+        CascadeGroup((3, 6, 9), 3),
+        CascadeGroup((10, 11), 2),
+    }
+    return [shape for shape, _ in rows], [entry for _, entry in rows], expected
+
+
+class PrefixSpy:
+    """Records what the cascade's prefix pass attends (proves the cascade path ran)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[int, int, int]] = []  # (groups, members, prefix keys)
+        original = attention._attend_prefix_batch
+
+        def spy(q, k_cache, v_cache, batch, scale):
+            self.calls.append((batch.num_groups, batch.max_members, batch.prefix_len))
+            return original(q, k_cache, v_cache, batch, scale)
+
+        monkeypatch.setattr(attention, "_attend_prefix_batch", spy)
+
+
+def test_cascade_groups_of_a_mixed_step():
+    shapes, share, expected = sharing_step()
+    _, _, _, meta, _ = make_batch(random.Random(0), shapes, 4, 2, 8, torch.float32, share=share)
+    groups = cascade_groups(meta)
+    assert set(groups) == expected and len(groups) == len(expected)
+    assert cascade_groups(meta) is groups  # planned once per step
+
+
+def tables_meta(tables: list[list[int]], seq_lens: list[int], query_lens=None):
+    query_lens = query_lens or [1] * len(tables)
+    return AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
+
+
+def test_cascade_prefers_deep_groups_over_one_shallow_one():
+    """All four share block 0, pairs share 7 blocks: two pairs save more than one group of 4."""
+    tables = [
+        [0, 1, 2, 3, 4, 5, 6, 70],
+        [0, 1, 2, 3, 4, 5, 6, 71],
+        [0, 9, 10, 11, 12, 13, 14, 72],
+        [0, 9, 10, 11, 12, 13, 14, 73],
+    ]
+    groups = cascade_groups(tables_meta([tables[i] for i in (2, 0, 3, 1)], [30] * 4))
+    assert set(groups) == {CascadeGroup((0, 2), 7), CascadeGroup((1, 3), 7)}
+
+
+def test_cascade_keeps_a_wide_group_over_a_deeper_pair():
+    """Eight share 2 blocks and two of them a third: one group of 8 saves more (7*2 > 1*3)."""
+    tables = [[0, 1, 20 + i, 40 + i] for i in range(8)]
+    tables[5][2] = tables[6][2] = 99
+    assert cascade_groups(tables_meta(tables, [15] * 8)) == [CascadeGroup(tuple(range(8)), 2)]
+
+
+def test_cascade_groups_only_decodes_with_a_shared_whole_block():
+    tables = [[0, 1, 2], [0, 1, 3], [5, 1, 2], [7], [7], [0, 1, 2]]
+    seq_lens = [10, 9, 10, 3, 4, 12]
+    query_lens = [1, 1, 1, 1, 1, 3]
+    # Request 2 matches later blocks only; 3 and 4 have no block before their last
+    # token; 5 is a prefill.
+    groups = cascade_groups(tables_meta(tables, seq_lens, query_lens))
+    assert groups == [CascadeGroup((0, 1), 2)]
+
+
+CASCADE_DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), CASCADE_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (6, 1), (4, 4)])
+@pytest.mark.parametrize("group", [None, 1, 3])
+def test_cascade_equals_reference(monkeypatch, dtype, tol, num_heads, num_kv_heads, group):
+    """(6, 1): 6 query rows per KV head need two extra key blocks for their pseudo keys."""
+    rng = random.Random(num_heads * 10 + num_kv_heads)
+    torch.manual_seed(num_kv_heads)
+    shapes, share, expected = sharing_step()
+    q, k_cache, v_cache, meta, _ = make_batch(
+        rng, shapes, num_heads, num_kv_heads, 8, dtype, share=share
+    )
+    spy = PrefixSpy(monkeypatch)
+    fast = make_sdpa_backend(group)(q, k_cache, v_cache, meta, 0.3)
+    # Groups a (4 members, 5 blocks) and b (3, 3) padded into one prefix batch, d apart.
+    assert spy.calls == [(2, 4, 5 * BLOCK_SIZE), (1, 2, 2 * BLOCK_SIZE)]
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert fast.dtype == dtype
+    torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_cascade_prefix_batches_split_when_padding_would_dominate(monkeypatch):
+    """8 members x 10 blocks and 2 x 1 block: padding the small group costs too much."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    shapes = [(1, 41 + i) for i in range(8)] + [(1, 6), (1, 7)]
+    share = [("big", 10)] * 8 + [("small", 1)] * 2
+    q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 4, 2, 8, torch.float32, share=share)
+    spy = PrefixSpy(monkeypatch)
+    fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, 0.5)
+    assert sorted(spy.calls) == [(1, 2, 1 * BLOCK_SIZE), (1, 8, 10 * BLOCK_SIZE)]
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.5)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_and_plain_groups_under_a_small_key_budget(monkeypatch):
+    """The CPU default packs decodes by padded keys; a tiny budget makes many groups."""
+    monkeypatch.setattr(attention, "CPU_DECODE_KEYS", 24)
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    shapes, share, _ = sharing_step()
+    q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 2, 8, torch.float32, share=share)
+    fast = make_sdpa_backend()(q, k_cache, v_cache, meta, 0.3)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_layers_reuse_the_step_plan():
+    """Layers share the memoised plan; each layer's prefix results replace the last's."""
+    rng = random.Random(8)
+    torch.manual_seed(8)
+    shapes, share, _ = sharing_step()
+    q, k1, v1, meta, _ = make_batch(rng, shapes, 6, 2, 8, torch.float32, share=share)
+    _, k2, v2, _, _ = make_batch(random.Random(8), shapes, 6, 2, 8, torch.float32, share=share)
+    k2.normal_()  # a second layer: same blocks, other contents
+    v2.normal_()
+    backend = get_attention_backend("auto")
+    for k_cache, v_cache in [(k1, v1), (k2, v2), (k1, v1)]:
+        fast = backend(q, k_cache, v_cache, meta, 0.3)
+        ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def random_sharing_step(rng: random.Random):
+    """Random prefixes shared by random decodes with random own lengths, plus other requests."""
+    shapes, share = [], []
+    for p in range(rng.randint(1, 4)):
+        blocks = rng.randint(1, 8)
+        for _ in range(rng.randint(1, 5)):
+            # Up to all its blocks of the prefix, then at least one token of its own.
+            n = rng.randint(1, blocks)
+            shapes.append((1, n * BLOCK_SIZE + rng.randint(1, 3 * BLOCK_SIZE)))
+            share.append((f"p{p}", n))
+    for shape in random_shapes(rng, rng.randint(0, 4)):
+        shapes.append(shape)
+        share.append(None)
+    order = list(range(len(shapes)))
+    rng.shuffle(order)
+    return [shapes[i] for i in order], [share[i] for i in order]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), CASCADE_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seed", range(12))
+def test_cascade_random_sharing_equals_reference(dtype, tol, seed):
+    rng = random.Random(100 + seed)
+    torch.manual_seed(seed)
+    shapes, share = random_sharing_step(rng)
+    q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 2, 8, dtype, share=share)
+    fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, 0.35)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.35)
+    torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
