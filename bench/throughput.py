@@ -84,6 +84,18 @@ class Workload:
     unique: list[list[int]]
 
 
+class Report(dict):
+    """Prints each figure as soon as it is measured: a long run shows its progress."""
+
+    def __setitem__(self, key: str, value: object) -> None:
+        super().__setitem__(key, value)
+        print(f"{key}: {round(value, 3) if isinstance(value, float) else value}", flush=True)
+
+    def update(self, other: dict) -> None:
+        for key, value in other.items():
+            self[key] = value
+
+
 def make_workload(tokenizer, n: int, prefix_tokens: int, num_prefixes: int, seed: int) -> Workload:
     rng = random.Random(seed)
 
@@ -199,11 +211,7 @@ def main() -> None:
     llm = LLM(dtype=args.dtype)
     work = make_workload(llm.tokenizer, args.num_prompts, args.prefix_tokens, 4, seed=0)
     out_tokens = args.num_prompts * args.max_tokens
-    report: dict[str, object] = {
-        "dtype": args.dtype,
-        "prompts": args.num_prompts,
-        "max_tokens": args.max_tokens,
-    }
+    report = Report(dtype=args.dtype, prompts=args.num_prompts, max_tokens=args.max_tokens)
 
     shared_s = run_engine(llm, work.shared, args.max_tokens)
     unique_s = run_engine(llm, work.unique, args.max_tokens)

@@ -1,0 +1,242 @@
+"""`pagedserve bench` (load-test one server) and `pagedserve bench compare` (several servers).
+
+This module only defines arguments (stdlib only at import: `pagedserve serve` builds the
+whole parser, so it imports this file but nothing heavy); the work is imported in `run`.
+`python -m bench ...` is `pagedserve bench ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+WORKLOAD_NAMES = ("shared-prefix", "unique", "multi-turn")
+HELP = "load-test an OpenAI-compatible server (`compare`: several servers; see bench/README.md)"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def concurrency_list(text: str) -> list[int | None]:
+    """Concurrency levels: "1,8,32" -> [1, 8, 32]; "inf" or 0 means no limit (None)."""
+    levels: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("inf", "0", "none"):
+            levels.append(None)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad concurrency {part!r}: use e.g. 1,8,32") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"concurrency must be >= 0, got {value}")
+        levels.append(value)
+    return levels
+
+
+def workload_list(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [n for n in names if n not in WORKLOAD_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(bad) or text!r}: choose from {', '.join(WORKLOAD_NAMES)}"
+        )
+    return names
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", type=workload_list, default=["shared-prefix"],
+                   help="comma-separated: shared-prefix, unique, multi-turn "
+                   "(default shared-prefix)")  # fmt: skip
+    g.add_argument("--num-requests", type=_positive_int, default=64)
+    g.add_argument("--prefix-len", type=int, default=500,
+                   help="tokens of each prompt's prefix (multi-turn: the context)")  # fmt: skip
+    g.add_argument("--num-prefixes", type=_positive_int, default=4,
+                   help="shared-prefix: number of prefix groups")  # fmt: skip
+    g.add_argument("--question-len", type=_positive_int, default=16,
+                   help="tokens of each question (after the prefix)")  # fmt: skip
+    g.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: turns each")
+    g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    g.add_argument("--tokenizer",
+                   help="HF dir or .gguf whose tokenizer measures prompt lengths "
+                   "(default: the default model's)")  # fmt: skip
+
+    g = parser.add_argument_group("load")
+    g.add_argument("--concurrency", type=concurrency_list, default=[32],
+                   help="requests in flight (multi-turn: conversations); a list "
+                   "like 1,8,32 runs a sweep; inf = no limit (default 32)")  # fmt: skip
+    g.add_argument("--request-rate", type=float,
+                   help="Poisson arrivals per second (default: all at once)")  # fmt: skip
+    g.add_argument("--max-tokens", type=_positive_int, default=64)
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream tokens (needed for TTFT and inter-token latency)")  # fmt: skip
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so every request makes max_tokens tokens")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--warmup", type=int, default=1,
+                   help="short untimed requests first (default 1)")  # fmt: skip
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (default http://127.0.0.1:8000)")  # fmt: skip
+    g.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as `Authorization: Bearer KEY` (default $OPENAI_API_KEY)")  # fmt: skip
+    add_workload_arguments(parser)
+    g = parser.add_argument_group("output")
+    g.add_argument("--output", type=Path, help="also write the records to this JSON file")
+    g.add_argument("--plot", type=Path, metavar="DIR",
+                   help="write PNG plots here (needs matplotlib)")  # fmt: skip
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare}")
+    compare = sub.add_parser("compare", help="start several servers and run the same "
+                             "workloads against each", description=COMPARE_HELP)  # fmt: skip
+    add_compare_arguments(compare)
+
+
+COMPARE_HELP = (
+    "Start each server on 127.0.0.1 (one at a time), run the same workloads at the same "
+    "concurrency levels against it, stop it; write results.md, results.json and plots."
+)
+SERVER_NAMES = ("pagedserve", "pagedserve-no-cache", "naive", "llama.cpp")
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("servers")
+    g.add_argument("--servers", default=",".join(SERVER_NAMES),
+                   help=f"comma-separated, from {', '.join(SERVER_NAMES)} (default: all; "
+                   "llama.cpp is skipped when llama-cpp-python is not installed)")  # fmt: skip
+    g.add_argument("--model", help="HF model dir or .gguf every server loads "
+                   "(default: the embedded default model)")  # fmt: skip
+    g.add_argument("--gguf", help="the GGUF llama.cpp serves (default: --model when it is a "
+                   ".gguf, else the default model's GGUF)")  # fmt: skip
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="pagedserve's dtype (default auto: bfloat16 on CPUs with fast "
+                   "bf16, else float32)")  # fmt: skip
+    g.add_argument("--naive-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="the naive server's dtype (default float32: transformers' bf16 "
+                   "generate is slower on CPU)")  # fmt: skip
+    g.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
+    g.add_argument("--naive-args", default="", help="extra bench.naive_server flags")
+    g.add_argument("--llamacpp-args", default="", help="extra llama_cpp.server flags")
+    g.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for a server's /health")  # fmt: skip
+    g.add_argument("--out", type=Path, default=Path("bench/results"),
+                   help="where results.md, results.json and the plots go")  # fmt: skip
+    g.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    add_workload_arguments(parser)
+    parser.set_defaults(workload=["shared-prefix", "unique"], concurrency=[1, 8, 32])
+
+
+# --------------------------------------------------------------------------------- run
+
+
+def load_config_from_args(args: argparse.Namespace, base_url: str, model: str | None) -> Any:
+    from bench.loadgen import LoadConfig
+
+    return LoadConfig(
+        base_url=base_url,
+        model=model,
+        endpoint=args.endpoint,
+        max_tokens=args.max_tokens,
+        request_rate=args.request_rate,
+        stream=args.stream,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        api_key=getattr(args, "api_key", None),
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+
+
+def workload_spec(args: argparse.Namespace, name: str) -> Any:
+    from bench.workloads import WorkloadSpec
+
+    return WorkloadSpec(
+        name=name,
+        num_requests=args.num_requests,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        question_len=args.question_len,
+        turns=args.turns,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "compare":
+        from bench.compare import run_compare
+
+        return run_compare(args)
+    return run_bench(args)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench.runner import load_bench_tokenizer, run_sweep, warm_up
+
+    cfg = load_config_from_args(args, args.base_url, args.model)
+    tokenizer = load_bench_tokenizer(args.tokenizer)
+    warm_up(cfg, args.warmup)
+    points = []
+    for name in args.workload:
+        spec = workload_spec(args, name)
+        for point in run_sweep(cfg, spec, tokenizer, args.concurrency):
+            print(json.dumps(point.record), flush=True)
+            points.append(point)
+    records = [p.record for p in points]
+    if args.output:
+        write_json(args.output, records)
+    if args.plot:
+        plot_points(points, args.plot, label_key="workload")
+    return 0
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def plot_points(points: Sequence[Any], out_dir: Path, label_key: str) -> list[Path]:
+    """A TTFT CDF per workload (one curve per label and concurrency), and per workload a
+    throughput/TTFT-against-concurrency plot when more than one level was run."""
+    from bench.plots import plot_sweep, plot_ttft_cdf
+
+    written = []
+    for workload in dict.fromkeys(p.record["workload"] for p in points):
+        mine = [p for p in points if p.record["workload"] == workload]
+        series = {
+            f"{p.record.get(label_key, workload)} c={p.record['concurrency'] or 'inf'}": p.ttfts
+            for p in mine
+        }
+        written.append(
+            plot_ttft_cdf(series, out_dir / f"ttft_cdf_{workload}.png", f"TTFT CDF: {workload}")
+        )
+        if len({p.record["concurrency"] for p in mine}) > 1:
+            records = [p.record for p in mine]
+            path = out_dir / f"sweep_{workload}.png"
+            written.append(plot_sweep(records, path, f"{workload}", label_key=label_key))
+    for path in written:
+        print(f"# wrote {path}", file=sys.stderr)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

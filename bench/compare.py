@@ -1,0 +1,337 @@
+"""`pagedserve bench compare`: the same workloads against several servers, one at a time.
+
+Each server is started as a subprocess on 127.0.0.1 at a free port, waited for (/health,
+else /v1/models), measured at every concurrency level of every workload, and stopped.
+Servers: pagedserve with prefix caching on and off, the naive transformers baseline
+(bench/naive_server.py), and llama.cpp through llama-cpp-python's server when it is
+installed (skipped with a notice otherwise). All load the same weights (llama.cpp the
+GGUF they were converted from), get the same prompts, the same max_tokens, greedy.
+
+Writes `results.md` (table, ratios, machine, command), `results.json` (the records), one
+log per server under `logs/` and, with matplotlib, the plots, all into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import importlib.util
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.cli import load_config_from_args, plot_points, workload_spec, write_json
+from bench.report import markdown_table
+from bench.runner import SweepPoint, load_bench_tokenizer, run_sweep, warm_up
+
+LOG_TAIL_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: Callable[[int], list[str]]  # port -> argv
+    extra_body: dict[str, Any] = field(default_factory=dict)  # sent with every request
+
+
+def _pagedserve(args: argparse.Namespace, caching: bool) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        argv = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--log-level", "warning"]
+        if args.model:
+            argv += ["--model", args.model]
+        if args.dtype != "auto":
+            argv += ["--dtype", args.dtype]
+        if not caching:
+            argv.append("--no-prefix-caching")
+        return argv + shlex.split(args.pagedserve_args)
+
+    return command
+
+
+def _naive(args: argparse.Namespace) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        argv = [sys.executable, "-m", "bench.naive_server", "--port", str(port)]
+        argv += ["--dtype", args.naive_dtype] + (["--model", args.model] if args.model else [])
+        return argv + shlex.split(args.naive_args)
+
+    return command
+
+
+def llamacpp_gguf(args: argparse.Namespace) -> str:
+    if args.gguf:
+        return args.gguf
+    if args.model and args.model.lower().endswith(".gguf"):
+        return args.model
+    from engine.loader import default_gguf_path
+
+    return str(default_gguf_path())
+
+
+def _llamacpp(args: argparse.Namespace) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        argv = [sys.executable, "-m", "llama_cpp.server", "--model", llamacpp_gguf(args)]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
+        # llama-cpp-python runs one request at a time (a lock; no parallel slots), so the
+        # context needs room for one conversation: prompt + every turn's question and answer.
+        turns = args.turns if "multi-turn" in args.workload else 1
+        n_ctx = args.prefix_len + turns * (args.question_len + args.max_tokens + 16) + 64
+        threads = str(os.cpu_count() or 1)  # its default is half the cores
+        argv += ["--n_ctx", str(max(n_ctx, 2048)), "--n_threads", threads]
+        # By default a waiting request cuts the streaming one short: a load test must not.
+        argv += ["--n_threads_batch", threads, "--interrupt_requests", "False"]
+        return argv + shlex.split(args.llamacpp_args)
+
+    return command
+
+
+def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    """The servers asked for, in order; llama.cpp dropped (with a notice) when not installed."""
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    makers: dict[str, Callable[[], Callable[[int], list[str]]]] = {
+        "pagedserve": lambda: _pagedserve(args, caching=True),
+        "pagedserve-no-cache": lambda: _pagedserve(args, caching=False),
+        "naive": lambda: _naive(args),
+        "llama.cpp": lambda: _llamacpp(args),
+    }
+    # llama-cpp-python ignores ignore_eos; its min_tokens holds EOS back the same way.
+    extra = {"llama.cpp": {"min_tokens": args.max_tokens} if args.ignore_eos else {}}
+    specs = []
+    for name in names:
+        if name not in makers:
+            raise SystemExit(f"unknown server {name!r}: choose from {', '.join(makers)}")
+        if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+            print("# llama.cpp skipped: llama-cpp-python is not installed "
+                  "(pip install 'llama-cpp-python[server]')", file=sys.stderr)  # fmt: skip
+            continue
+        specs.append(ServerSpec(name, makers[name](), extra.get(name, {})))
+    return specs
+
+
+# -------------------------------------------------------------------- server processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    """Until /health (or /v1/models, for servers without /health) answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerFailed(f"exited with code {proc.returncode}:\n{_tail(log)}")
+        for path in ("/health", "/v1/models"):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + path, timeout=5).status_code == 200:
+                    return
+        time.sleep(0.5)
+    raise ServerFailed(f"not ready after {timeout_s:.0f}s:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def started(spec: ServerSpec, log_dir: Path, timeout_s: float) -> Iterator[str]:
+    """The server's base URL while it runs; it is stopped (SIGTERM, then SIGKILL) after."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{spec.name}.log"
+    argv = spec.command(port)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w", encoding="utf-8") as log_file:
+        log_file.write("$ " + shlex.join(argv) + "\n")
+        log_file.flush()
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc, timeout_s, log)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ------------------------------------------------------------------------------- running
+
+
+def measure_server(
+    spec: ServerSpec, args: argparse.Namespace, tokenizer: Any, out: Path
+) -> list[SweepPoint]:
+    print(f"# {spec.name}: starting", file=sys.stderr, flush=True)
+    points: list[SweepPoint] = []
+    try:
+        with started(spec, out / "logs", args.startup_timeout) as url:
+            cfg = dataclasses.replace(
+                load_config_from_args(args, url, None), extra_body=dict(spec.extra_body)
+            )
+            warm_up(cfg, args.warmup)
+            for name in args.workload:
+                spec_w = workload_spec(args, name)
+                points += run_sweep(cfg, spec_w, tokenizer, args.concurrency, server=spec.name)
+    except ServerFailed as exc:
+        print(f"# {spec.name} failed to start: {exc}", file=sys.stderr)
+    return points
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    specs = server_specs(args)
+    if not specs:
+        print("pagedserve bench compare: no server to run", file=sys.stderr)
+        return 2
+    tokenizer = load_bench_tokenizer(args.tokenizer or args.model)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started_at = dt.datetime.now().astimezone()
+    names = [s.name for s in specs]
+    points: list[SweepPoint] = []
+    for spec in specs:
+        points += measure_server(spec, args, tokenizer, out)
+        # Written after every server: a long comparison cut short keeps what it measured.
+        write_json(out / "results.json", [p.record for p in points])
+    records = [p.record for p in points]
+    plots = [] if args.no_plots else _plots(points, out)
+    text = results_markdown(records, args, started_at, names, plots, out)
+    (out / "results.md").write_text(text, encoding="utf-8")
+    print(text)
+    print(f"# wrote {out / 'results.md'} and {out / 'results.json'}", file=sys.stderr)
+    return 0 if records else 1
+
+
+def _plots(points: Sequence[SweepPoint], out: Path) -> list[Path]:
+    if importlib.util.find_spec("matplotlib") is None:
+        print("# plots skipped: matplotlib is not installed", file=sys.stderr)
+        return []
+    # The CDFs at the highest concurrency only: one curve per server stays readable.
+    top = max((p.record["concurrency"] or 0 for p in points), default=0)
+    cdf_points = [p for p in points if (p.record["concurrency"] or 0) == top]
+    written = plot_points(cdf_points, out, label_key="server")
+    return written + _sweep_plots(points, out)
+
+
+def _sweep_plots(points: Sequence[SweepPoint], out: Path) -> list[Path]:
+    from bench.plots import plot_sweep
+
+    written = []
+    for workload in dict.fromkeys(p.record["workload"] for p in points):
+        records = [p.record for p in points if p.record["workload"] == workload]
+        if len({r["concurrency"] for r in records}) > 1:
+            written.append(plot_sweep(records, out / f"sweep_{workload}.png", workload))
+    return written
+
+
+# ------------------------------------------------------------------------------ markdown
+
+
+def _find(records: Sequence[dict], server: str, workload: str, conc: Any) -> dict | None:
+    for r in records:
+        if (r.get("server"), r["workload"], r["concurrency"]) == (server, workload, conc):
+            return r
+    return None
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
+def ratio_lines(records: Sequence[dict]) -> list[str]:
+    """pagedserve against each peer measured in the same run, per workload and concurrency."""
+    lines = []
+    keys = dict.fromkeys((r["workload"], r["concurrency"]) for r in records)
+    for workload, conc in keys:
+        ours = _find(records, "pagedserve", workload, conc)
+        if ours is None:
+            continue
+        parts = []
+        for peer in ("naive", "llama.cpp", "pagedserve-no-cache"):
+            theirs = _find(records, peer, workload, conc)
+            if theirs is None:
+                continue
+            tput = _ratio(ours["output_throughput"], theirs["output_throughput"])
+            ttft = _ratio(theirs["ttft_ms"]["p50"], ours["ttft_ms"]["p50"])
+            parts.append(f"vs {peer}: output tok/s {tput}, TTFT p50 {ttft} lower")
+        if parts:
+            lines.append(f"- {workload}, concurrency {conc or 'inf'}: " + "; ".join(parts))
+    return lines
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+def results_markdown(
+    records: Sequence[dict],
+    args: argparse.Namespace,
+    started_at: dt.datetime,
+    servers: Sequence[str],
+    plots: Sequence[Path],
+    out: Path,
+) -> str:
+    loads = [r[k] for r in records for k in ("load_avg_1m", "load_avg_1m_after") if r.get(k)]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown"
+    command = getattr(args, "command_line", None) or shlex.join(
+        [Path(sys.argv[0]).name, *sys.argv[1:]]
+    )
+    lines = [
+        "# pagedserve bench compare",
+        "",
+        f"- date: {started_at:%Y-%m-%d %H:%M %Z}",
+        f"- machine: {machine_line()}; 1-min load average during the runs: {load}",
+        f"- servers: {', '.join(servers)}; model: {args.model or 'default (SmolLM2-135M-Instruct)'}"
+        f", dtype {args.dtype} (naive: {args.naive_dtype}; llama.cpp: the GGUF's own)",
+        f"- workloads: {', '.join(args.workload)}; {args.num_requests} requests each, prefix "
+        f"{args.prefix_len} tokens ({args.num_prefixes} prefixes for shared-prefix), question "
+        f"{args.question_len} tokens, max_tokens {args.max_tokens}, temperature "
+        f"{args.temperature}, ignore_eos {args.ignore_eos}, stream {args.stream}, endpoint "
+        f"{args.endpoint}",
+        f"- command: `{command}`",
+        "",
+        markdown_table(records),
+        "",
+        "Columns: `conc` requests in flight; `out tok/s` output tokens per second of wall time; "
+        "`TTFT` time to first token; `ITL` gap between streamed chunks; `e2e` request latency; "
+        "`cached tok` server-reported cached prompt tokens; `batch/step` and `hit rate` from "
+        "pagedserve's /metrics (mean requests per engine step, prefix-cache hit rate); "
+        "`load` the machine's 1-min load average when the run started.",
+    ]
+    ratios = ratio_lines(records)
+    if ratios:
+        lines += ["", "## Ratios (same run)", "", *ratios]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"- [{p.name}]({p.relative_to(out) if p.is_relative_to(out) else p})"
+                  for p in plots]  # fmt: skip
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,192 @@
+"""Deterministic prompts of chosen token lengths for the load generator.
+
+Three workloads, all built from a fixed word list and a seed (same seed, same prompts):
+
+- `shared-prefix`: P groups; every prompt of a group is the group's long fixed prefix
+  followed by a short question no other prompt has. Request i belongs to group i % P.
+- `unique`: the same lengths, but every prompt has a prefix of its own.
+- `multi-turn`: conversations; turn k+1 resends the whole history (a unique context, the
+  earlier questions and the answers the server gave) plus a new question.
+
+Lengths are counted with the served model's tokenizer, loaded locally (other servers have
+no /tokenize route). A prefix is exactly `prefix_len` tokens; a question starts with a
+newline, which the byte-level BPE never merges with the word before it, so every prompt of a
+group begins with the same `prefix_len` token ids (tests/bench checks this).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+WORKLOADS = ("shared-prefix", "unique", "multi-turn")
+
+# Plain lower-case English words: each is one or two tokens in any byte-level BPE, so a
+# prompt's token count follows its word count closely and trimming is exact.
+_WORD_TEXT = """
+    time year people way day man thing woman life child world school state family student
+    group country problem hand part place case week company system program question work
+    government number night point home water room mother area money story fact month lot
+    right study book eye job word business issue side kind head house service friend father
+    power hour game line end member law car city community name president team minute idea
+    kid body information back parent face others level office door health person art war
+    history party result change morning reason research girl guy moment air teacher force
+    education foot boy age policy process music market sense nation plan college interest
+    death experience effect use class control care field development role effort rate heart
+    drug show leader light voice wife police mind price report decision son view relationship
+    town road arm difference value building action model season society tax director position
+    player record paper space ground form event official matter center couple site project
+    activity star table need court oil situation cost industry figure street image phone data
+    picture practice piece land product doctor wall patient worker news test movie north love
+    support technology step baby computer type attention film tree source organization hair
+    window evidence population site river garden bridge valley mountain island forest ocean
+    stone cloud winter summer spring autumn bread apple orange silver golden quiet gentle
+    bright simple careful early late small large green blue red yellow black white open
+"""
+WORDS = tuple(dict.fromkeys(_WORD_TEXT.split()))  # in order, each once
+SEPARATOR = "\n\n"
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def count_tokens(tokenizer: Tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def text_of_tokens(tokenizer: Tokenizer, rng: random.Random, num_tokens: int) -> str:
+    """Random words from `rng`, cut to exactly `num_tokens` tokens (re-encoding included)."""
+    if num_tokens < 1:
+        return ""
+    words: list[str] = []
+    while True:  # words are >= 1 token, so num_tokens words are always enough
+        words.extend(rng.choice(WORDS) for _ in range(num_tokens - len(words)))
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
+        if len(ids) >= num_tokens:
+            break
+    # Cutting at a token boundary can split a word, and a split word may re-encode to one
+    # token more: then cut one token earlier (rare with these words).
+    for cut in range(num_tokens, max(num_tokens - 4, 0), -1):
+        text = tokenizer.decode(ids[:cut])
+        if count_tokens(tokenizer, text) <= num_tokens:
+            return text
+    return tokenizer.decode(ids[:num_tokens])
+
+
+def question_text(tokenizer: Tokenizer, rng: random.Random, index: int, num_tokens: int) -> str:
+    """About `num_tokens` tokens of question, starting on a new line, numbered `index`."""
+    head = f"{SEPARATOR}Question {index}:"
+    body_len = max(num_tokens - count_tokens(tokenizer, head) - 3, 1)
+    return f"{head} {text_of_tokens(tokenizer, rng, body_len)}?\nAnswer:"
+
+
+def turn_text(tokenizer: Tokenizer, rng: random.Random, num_tokens: int) -> str:
+    """A multi-turn question of about `num_tokens` tokens."""
+    return text_of_tokens(tokenizer, rng, max(num_tokens - 1, 1)) + "?"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request's prompt (the text; chat sends it as one user message)."""
+
+    text: str
+    group: int  # the shared prefix's group (shared-prefix); the request index otherwise
+
+
+@dataclass
+class Conversation:
+    """A multi-turn conversation: a context, then one question per turn."""
+
+    context: str
+    questions: list[str]
+    answers: list[str] = field(default_factory=list)
+
+    def completion_prompt(self, turn: int) -> str:
+        """Turn `turn`'s prompt: context + earlier turns with their answers + this question."""
+        parts = [self.context]
+        for k in range(turn + 1):
+            parts.append(f"{SEPARATOR}User: {self.questions[k]}\nAssistant:")
+            if k < turn:
+                parts.append(self.answers[k])
+        return "".join(parts)
+
+    def chat_messages(self, turn: int) -> list[dict[str, Any]]:
+        """Turn `turn` as chat messages (the context opens the first user message)."""
+        messages = []
+        for k in range(turn + 1):
+            content = self.questions[k] if k else self.context + SEPARATOR + self.questions[0]
+            messages.append({"role": "user", "content": content})
+            if k < turn:
+                messages.append({"role": "assistant", "content": self.answers[k]})
+        return messages
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str = "shared-prefix"
+    num_requests: int = 64
+    prefix_len: int = 500
+    num_prefixes: int = 4
+    question_len: int = 16
+    turns: int = 4  # multi-turn only
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
+        for name in ("num_requests", "num_prefixes", "question_len", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+
+    @property
+    def num_conversations(self) -> int:
+        return -(-self.num_requests // self.turns)
+
+
+def _rng(spec: WorkloadSpec, *key: object) -> random.Random:
+    # A string seed is hashed with sha512: the same stream on every run and Python version.
+    return random.Random("/".join(str(k) for k in (spec.seed, *key)))
+
+
+def shared_prefixes(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[str]:
+    return [
+        text_of_tokens(tokenizer, _rng(spec, "prefix", g), spec.prefix_len)
+        for g in range(spec.num_prefixes)
+    ]
+
+
+def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
+    """The prompts of a single-turn workload (`shared-prefix` or `unique`), in send order."""
+    if spec.name == "multi-turn":
+        raise ValueError("multi-turn is built with build_conversations")
+    prefixes = shared_prefixes(spec, tokenizer) if spec.name == "shared-prefix" else None
+    prompts = []
+    for i in range(spec.num_requests):
+        question = question_text(tokenizer, _rng(spec, "question", i), i, spec.question_len)
+        if prefixes is not None:
+            group = i % spec.num_prefixes
+            prefix = prefixes[group]
+        else:
+            group = i
+            prefix = text_of_tokens(tokenizer, _rng(spec, "unique", i), spec.prefix_len)
+        prompts.append(Prompt(prefix + question, group))
+    return prompts
+
+
+def build_conversations(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Conversation]:
+    """`num_requests` turns split into conversations of `turns` turns (the last may be short)."""
+    conversations = []
+    for c in range(spec.num_conversations):
+        turns = min(spec.turns, spec.num_requests - c * spec.turns)
+        context = text_of_tokens(tokenizer, _rng(spec, "context", c), spec.prefix_len)
+        questions = [
+            turn_text(tokenizer, _rng(spec, "turn", c, k), spec.question_len) for k in range(turns)
+        ]
+        conversations.append(Conversation(context, questions))
+    return conversations
