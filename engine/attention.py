@@ -555,14 +555,16 @@ class _GatherWorkspace:
 
     def __init__(self) -> None:
         self._buffers: dict[
-            tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+            tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]
         ] = {}
 
     def get(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         numel = 1
         for n in shape:
             numel *= n
-        key = (like.device, like.dtype)
+        # Inference tensors cannot be written outside inference mode (nor normal ones
+        # reused inside it without cost), so each mode keeps its own buffers.
+        key = (like.device, like.dtype, torch.is_inference_mode_enabled())
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].numel() < numel:
             bufs = tuple(torch.empty(numel, dtype=like.dtype, device=like.device) for _ in range(2))

@@ -12,3 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Before any test imports torch: see engine/__init__.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_sessionstart(session) -> None:
+    """Convert the embedded default model before any test starts a server with a deadline.
+
+    A fresh clone has an empty cache; the conversion (30-90 s on a busy 2-core machine)
+    would otherwise happen inside whichever test first needs the tokenizer.
+    """
+    from engine.loader import resolve_model_dir
+
+    resolve_model_dir(None)

@@ -431,3 +431,19 @@ def test_cascade_random_sharing_equals_reference(dtype, tol, seed):
     fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, 0.35)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.35)
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_gather_workspace_serves_inference_mode_and_normal_callers():
+    """The engine gathers under inference mode; tests and tools may call outside it.
+    A buffer created in one mode must never be written in the other (RuntimeError)."""
+    from engine.attention import _workspace
+
+    like = torch.zeros(1)
+    with torch.inference_mode():
+        k, _ = _workspace.get((4,), like)
+        k.fill_(1.0)
+    k, _ = _workspace.get((4,), like)
+    k.fill_(2.0)
+    with torch.inference_mode():
+        k, _ = _workspace.get((4,), like)
+        k.fill_(3.0)
