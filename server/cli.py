@@ -259,7 +259,23 @@ register(
 )
 register(Subcommand("generate", "generate text for one prompt and print it",
                     add_generate_arguments, run_generate))  # fmt: skip
-register(Subcommand("bench", "load-test an OpenAI-compatible server (see bench/README.md)", lambda p: __import__("bench.cli", fromlist=["run"]).add_arguments(p), lambda a: __import__("bench.cli", fromlist=["run"]).run(a)))  # fmt: skip
+
+
+# bench/ is imported only when `pagedserve bench` is used, so `serve` never loads it.
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.cli import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from bench.cli import run
+
+    return run(args)
+
+
+register(Subcommand("bench", "load-test an OpenAI-compatible server (see bench/README.md)",
+                    _add_bench_arguments, _run_bench))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- main
