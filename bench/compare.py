@@ -272,8 +272,8 @@ def ratio_lines(records: Sequence[dict]) -> list[str]:
         parts = []
         for peer in ("naive", "llama.cpp", "pagedserve-no-cache"):
             theirs = _find(records, peer, workload, conc)
-            if theirs is None:
-                continue
+            if theirs is None or not theirs["requests"]:
+                continue  # no peer run, or nothing it served to compare with
             tput = _ratio(ours["output_throughput"], theirs["output_throughput"])
             ttft = _ratio(theirs["ttft_ms"]["p50"], ours["ttft_ms"]["p50"])
             parts.append(f"vs {peer}: output tok/s {tput}, TTFT p50 {ttft} lower")

@@ -5,7 +5,7 @@ TextIteratorStreamer, which flushes whole words), greedy decoding, and one globa
 requests run one at a time: no batching, no KV cache beyond the one request's. It loads
 the same weights as pagedserve (the default model's converted HF dir via engine.loader).
 
-    python -m bench.naive_server [--model DIR|GGUF] [--dtype auto|float32|bfloat16] [--port 8001]
+    python -m bench.naive_server [--model DIR|GGUF] [--dtype float32] [--port 8001] [--threads N]
 """
 
 from __future__ import annotations
@@ -204,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--served-model-name")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads (default: torch's). On a shared machine 1 avoids "
+                        "OpenMP stalls when another process holds a core")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     naive = NaiveModel(args.model, args.dtype)
     name = args.served_model_name or EngineConfig(model=args.model).served_name()
     print(f"naive server: {name}, dtype {naive.dtype}, http://{args.host}:{args.port}", flush=True)

@@ -49,7 +49,7 @@ def plot_sweep(
     lines: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     levels = sorted({r["concurrency"] for r in records if r.get("concurrency")})
     for r in records:
-        if r.get("concurrency"):
+        if r.get("concurrency") and r.get("requests", 1):  # a run that served nothing: no point
             lines[str(r.get(label_key, ""))].append(r)
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
     for label, rows in lines.items():
