@@ -261,7 +261,8 @@ register(Subcommand("generate", "generate text for one prompt and print it",
                     add_generate_arguments, run_generate))  # fmt: skip
 
 
-# bench/ is imported only when `pagedserve bench` is used, so `serve` never loads it.
+# bench.cli loads only the standard library at import; the load generator, httpx and
+# matplotlib load only when `pagedserve bench` runs.
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.cli import add_arguments
 

@@ -194,3 +194,27 @@ def test_multi_turn_resends_the_history_with_the_answers(server, tokenizer, endp
         assert third.prompt.startswith(second.prompt + second.text)
     # the history is resent, so later turns find it in the prefix cache
     assert (third.cached_tokens or 0) > 0
+
+
+def test_bench_command_prints_a_record_per_level_and_writes_the_file(
+    server, tiny_model_dir, tmp_path, capsys
+):
+    from bench.cli import main
+
+    out = tmp_path / "records.json"
+    code = main([
+        "--base-url", server.url, "--tokenizer", str(tiny_model_dir), "--workload",
+        "unique,shared-prefix", "--concurrency", "1,3", "--num-requests", "3",
+        "--prefix-len", "20", "--max-tokens", "2", "--output", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # level i of a sweep uses seed + i: new prompts at each level
+    assert [(r["workload"], r["concurrency"], r["seed"]) for r in printed] == [
+        ("unique", 1, 0),
+        ("unique", 3, 1),
+        ("shared-prefix", 1, 0),
+        ("shared-prefix", 3, 1),
+    ]
+    assert all((r["requests"], r["errors"], r["output_tokens"]) == (3, 0, 6) for r in printed)
+    assert json.loads(out.read_text()) == printed
