@@ -410,7 +410,8 @@ SMOLLM2 = dict(
 
 
 def bench_matmul(args) -> None:
-    """F.linear throughput for SmolLM2's projection shapes, fp32 vs bf16."""
+    """Projection throughput for SmolLM2's shapes: F.linear fp32 vs bf16, and the
+    model's layout (weight stored ``[in, out]``, ``x @ w``) in fp32."""
     h, inter, vocab = SMOLLM2["hidden_size"], SMOLLM2["intermediate_size"], SMOLLM2["vocab_size"]
     shapes = {
         "qkv": (15 * HEAD_DIM, h),
@@ -419,25 +420,30 @@ def bench_matmul(args) -> None:
         "down": (h, inter),
         "lm_head": (vocab, h),
     }
-    print("\n## F.linear, median ms (GFLOP/s; weight GB/s); x = bf16 time / fp32 time")
-    print("| proj | tokens | fp32 | bf16 | x |")
-    print("|---|---|---|---|---|")
+    variants = ("fp32", "bf16", "fp32 [in,out]")
+    print("\n## Projections, median ms (GFLOP/s; weight GB/s); x = time / F.linear fp32 time")
+    print("| proj | tokens | F.linear fp32 | F.linear bf16 | x | x @ w[in,out] fp32 | x |")
+    print("|---|---|---|---|---|---|---|")
     for proj, (out_f, in_f) in shapes.items():
-        for tokens in (1, 8, 64, 512):
-            fns, weights = {}, {}
-            for name in ("fp32", "bf16"):
-                w = torch.randn(out_f, in_f).to(DTYPES[name])
-                x = torch.randn(tokens, in_f).to(DTYPES[name])
-                weights[name] = w
-                fns[name] = lambda x=x, w=w: F.linear(x, w)
+        for tokens in (1, 8, 32, 64, 512):
+            w32, x32 = torch.randn(out_f, in_f), torch.randn(tokens, in_f)
+            w16, x16 = w32.bfloat16(), x32.bfloat16()
+            wt = w32.t().contiguous()
+            fns = {
+                "fp32": lambda x=x32, w=w32: F.linear(x, w),
+                "bf16": lambda x=x16, w=w16: F.linear(x, w),
+                "fp32 [in,out]": lambda x=x32, w=wt: x @ w,
+            }
             med = interleaved_medians(fns, args.repeats)
             cells = []
-            for name in ("fp32", "bf16"):
+            for name, w in zip(variants, (w32, w16, wt), strict=True):
                 gflops = 2 * tokens * out_f * in_f / med[name] / 1e9
-                gbs = weights[name].numel() * weights[name].element_size() / med[name] / 1e9
+                gbs = w.numel() * w.element_size() / med[name] / 1e9
                 cells.append(f"{med[name] * 1e3:.3f} ({gflops:.0f}; {gbs:.1f})")
+            ratio = [med[name] / med["fp32"] for name in variants[1:]]
             print(
-                f"| {proj} | {tokens} | {cells[0]} | {cells[1]} | {med['bf16'] / med['fp32']:.2f} |"
+                f"| {proj} | {tokens} | {cells[0]} | {cells[1]} | {ratio[0]:.2f} "
+                f"| {cells[2]} | {ratio[1]:.2f} |"
             )
 
 
