@@ -4,9 +4,12 @@ Same model, dtype, prompts and output length, measured in one run:
 - output tok/s on a shared-prefix set (4 prefixes of ~500 tokens, 64 prompts)
   and on a unique set (64 prompts of the same length, nothing shared);
 - prefill time of the shared-prefix set with prefix caching on vs off;
-- the unique set with caching on vs off (the cost of caching at 0% hits);
-- decode step time at batch 1 and 64 against this machine's floors
-  (weight bytes / memory bandwidth, FLOPs / matmul rate).
+- the unique set with caching on vs off, run twice each in turns (the cost of
+  caching at 0% hits);
+- decode step time at batch 1 and 64 against this machine's floors: the larger
+  of weight bytes / memory read bandwidth and FLOPs / the matmul rate at that
+  many rows (the L3 cache holds part of the weights, so a step can beat the
+  bandwidth floor slightly). The batch-64 step has unique 500-token contexts.
 
     .venv/bin/python -m bench.throughput                 # bfloat16, ~10 min on 2 cores
     .venv/bin/python -m bench.throughput --dtype float32
@@ -146,23 +149,28 @@ def run_transformers(
     return time.perf_counter() - start
 
 
-def measure_floors(llm: LLM) -> dict[str, float]:
-    """Memory bandwidth (GB/s) and matmul rate (GFLOP/s) of this machine, in the model's dtype."""
-    dtype = llm.engine.dtype
-    big = torch.empty(256 * 2**20 // 4, dtype=torch.float32)
-    copies = []
-    for _ in range(5):
-        seconds, _ = timed(lambda: big.clone())
-        copies.append(2 * big.numel() * 4 / seconds / 1e9)  # read + write
-    hidden = llm.engine.hf_config.hidden_size
-    inter = llm.engine.hf_config.intermediate_size
-    a = torch.randn(512, hidden, dtype=dtype)
-    w = torch.randn(inter, hidden, dtype=dtype)
+def read_bandwidth_gbs() -> float:
+    """This machine's memory read bandwidth (GB/s): summing 1 GiB, beyond the 260 MB L3."""
+    big = torch.ones(2**30 // 4, dtype=torch.float32)
     rates = []
     for _ in range(5):
-        seconds, _ = timed(lambda: torch.nn.functional.linear(a, w))
-        rates.append(2 * 512 * hidden * inter / seconds / 1e9)
-    return {"bandwidth_gbs": statistics.median(copies), "matmul_gflops": statistics.median(rates)}
+        seconds, _ = timed(big.sum)
+        rates.append(big.numel() * 4 / seconds / 1e9)
+    return statistics.median(rates)
+
+
+def matmul_gflops(llm: LLM, rows: int) -> float:
+    """Matmul rate (GFLOP/s) of ``rows`` tokens through the MLP's gate/up shape, model dtype."""
+    dtype = llm.engine.dtype
+    hidden = llm.engine.hf_config.hidden_size
+    inter = llm.engine.hf_config.intermediate_size
+    a = torch.randn(rows, hidden, dtype=dtype)
+    w = torch.randn(hidden, 2 * inter, dtype=dtype)  # the model's [in, out] layout
+    rates = []
+    for _ in range(9):
+        seconds, _ = timed(lambda: a @ w)
+        rates.append(2 * rows * hidden * 2 * inter / seconds / 1e9)
+    return statistics.median(rates)
 
 
 def decode_step_seconds(llm: LLM, batch: int, context: int) -> float:
@@ -214,31 +222,39 @@ def main() -> None:
     report = Report(dtype=args.dtype, prompts=args.num_prompts, max_tokens=args.max_tokens)
 
     shared_s = run_engine(llm, work.shared, args.max_tokens)
-    unique_s = run_engine(llm, work.unique, args.max_tokens)
     report["pagedserve_shared_tok_s"] = out_tokens / shared_s
-    report["pagedserve_unique_tok_s"] = out_tokens / unique_s
 
-    # Prefill only (1 output token): caching on vs off, and the 0%-hit cost of caching.
-    prefill_on = run_engine(llm, work.shared, 1)
+    # Prefill only (1 output token): caching on vs off.
     no_cache = LLM(dtype=args.dtype, enable_prefix_caching=False)
+    prefill_on = run_engine(llm, work.shared, 1)
     prefill_off = run_engine(no_cache, work.shared, 1)
-    unique_off_s = run_engine(no_cache, work.unique, args.max_tokens)
-    del no_cache
     report["prefill_shared_caching_on_s"] = prefill_on
     report["prefill_shared_caching_off_s"] = prefill_off
     report["prefill_speedup_caching"] = prefill_off / prefill_on
+
+    # The cost of caching at 0% hits: unique prompts, on and off in turns (on, off, off,
+    # on) so that drift in the machine's speed hits both alike.
+    unique_s = run_engine(llm, work.unique, args.max_tokens)
+    unique_off_s = run_engine(no_cache, work.unique, args.max_tokens)
+    unique_off_s += run_engine(no_cache, work.unique, args.max_tokens)
+    unique_s += run_engine(llm, work.unique, args.max_tokens)
+    del no_cache
+    unique_s, unique_off_s = unique_s / 2, unique_off_s / 2
+    report["pagedserve_unique_tok_s"] = out_tokens / unique_s
     report["unique_caching_off_tok_s"] = out_tokens / unique_off_s
     report["unique_caching_on_vs_off"] = unique_off_s / unique_s
 
-    floors = measure_floors(llm)
+    bandwidth = read_bandwidth_gbs()
+    report["read_bandwidth_gbs"] = bandwidth
     size, flops_per_token = model_bytes_and_flops(llm)
     for batch in (1, 64):
         step = decode_step_seconds(llm, batch, args.prefix_tokens)
-        mem_floor = size / (floors["bandwidth_gbs"] * 1e9)
-        flop_floor = batch * flops_per_token / (floors["matmul_gflops"] * 1e9)
+        rate = matmul_gflops(llm, batch)
+        mem_floor = size / (bandwidth * 1e9)
+        flop_floor = batch * flops_per_token / (rate * 1e9)
+        report[f"matmul_gflops_{batch}_rows"] = rate
         report[f"decode_step_ms_b{batch}"] = step * 1e3
         report[f"decode_floor_ms_b{batch}"] = max(mem_floor, flop_floor) * 1e3
-    report.update(floors)
 
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM

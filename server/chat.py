@@ -13,8 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
 from server.async_engine import RequestStream
@@ -33,12 +32,11 @@ from server.protocol import (
 )
 from server.serving import (
     ServingContext,
+    check_request,
+    choice_index,
     clamp_logprob,
-    collect_final,
     engine_requests_for_prompt,
-    sse_events,
-    submit,
-    warn_unknown_fields,
+    respond,
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
 
@@ -46,10 +44,7 @@ from server.tokens import TokenStrings, apply_chat_template, encode_chat
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request
 ) -> Response:
-    ctx.check_model(req.model)
-    req.check_supported()
-    warn_unknown_fields(req, "/v1/chat/completions")
-    req.check_common(ctx.engine.vocab_size)
+    check_request(ctx, req, "/v1/chat/completions")
     text = apply_chat_template(
         ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False
     )
@@ -59,16 +54,8 @@ async def create_chat_completion(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
         "messages",
     )  # fmt: skip
-    stream = await submit(ctx, engine_requests)
     view = _ChatView(ctx, req, request_id, len(prompt_ids))
-    if req.stream:
-        return StreamingResponse(
-            sse_events(stream, view.chunks(stream)),
-            media_type="text/event-stream",
-            background=BackgroundTask(stream.abort),  # also when the body never started
-        )
-    finals = await collect_final(stream, raw_request)
-    return Response(view.response(finals).model_dump_json(), media_type="application/json")
+    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request)
 
 
 def chat_logprobs(
@@ -149,7 +136,7 @@ class _ChatView:
         pending: dict[int, list[TokenLogprob]] = defaultdict(list)  # held back with the text
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
-            index = int(out.request_id.rsplit("-", 1)[1])
+            index = choice_index(out.request_id)
             pending[index].extend(out.new_logprobs or [])
             if out.finished:
                 finals[out.request_id] = out

@@ -13,8 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
 from server.async_engine import RequestStream
@@ -27,12 +26,11 @@ from server.protocol import (
 )
 from server.serving import (
     ServingContext,
+    check_request,
+    choice_index,
     clamp_logprob,
-    collect_final,
     engine_requests_for_prompt,
-    sse_events,
-    submit,
-    warn_unknown_fields,
+    respond,
 )
 from server.tokens import TokenStrings, encode_prompt
 
@@ -40,11 +38,8 @@ from server.tokens import TokenStrings, encode_prompt
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, raw_request: Request
 ) -> Response:
-    ctx.check_model(req.model)
-    req.check_supported()
-    warn_unknown_fields(req, "/v1/completions")
+    check_request(ctx, req, "/v1/completions")
     vocab_size = ctx.engine.vocab_size
-    req.check_common(vocab_size)
     prompts = req.prompt_list()
     prompt_ids = [encode_prompt(ctx.tokenizer, p, vocab_size, "prompt") for p in prompts]
     echo = (
@@ -60,16 +55,8 @@ async def create_completion(
             ctx, req, request_id, i, ids, req.max_tokens, req.logprobs, "prompt"
         )
     ]
-    stream = await submit(ctx, engine_requests)
     view = _CompletionView(ctx, req, request_id, prompt_ids, echo)
-    if req.stream:
-        return StreamingResponse(
-            sse_events(stream, view.chunks(stream)),
-            media_type="text/event-stream",
-            background=BackgroundTask(stream.abort),  # also when the body never started
-        )
-    finals = await collect_final(stream, raw_request)
-    return Response(view.response(finals).model_dump_json(), media_type="application/json")
+    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request)
 
 
 def completion_logprobs(
@@ -126,9 +113,6 @@ class _CompletionView:
         self.created = int(time.time())
         self.model = ctx.served_model_name
 
-    def _choice_index(self, request_id: str) -> int:
-        return int(request_id.rsplit("-", 1)[1])
-
     def _echo_prompt(self, index: int) -> tuple[list[int], str] | None:
         if self.echo is None:
             return None
@@ -173,7 +157,7 @@ class _CompletionView:
         started: set[int] = set()
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
-            index = self._choice_index(out.request_id)
+            index = choice_index(out.request_id)
             pending[index].extend(out.new_logprobs or [])
             if out.finished:
                 finals[out.request_id] = out

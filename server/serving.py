@@ -13,9 +13,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from engine import RequestOutput, SamplingParams
 from server.async_engine import (
@@ -61,10 +64,50 @@ class ServingContext:
             raise model_not_found(model, self.served_model_name)
 
 
+class ResponseView(Protocol):
+    """An endpoint's rendering of engine outputs: a whole response, or stream chunks."""
+
+    def response(self, finals: dict[str, RequestOutput]) -> BaseModel: ...
+
+    def chunks(self, stream: RequestStream) -> AsyncIterator[str]: ...
+
+
 def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
     unknown = req.unknown_fields()
     if unknown:
         logger.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+
+
+def check_request(ctx: ServingContext, req: Any, endpoint: str) -> None:
+    """What every generation request is checked for before its prompt is read."""
+    ctx.check_model(req.model)
+    req.check_supported()
+    warn_unknown_fields(req, endpoint)
+    req.check_common(ctx.engine.vocab_size)
+
+
+def choice_index(request_id: str) -> int:
+    """The choice index an engine request id (`<id>-<index>`) ends with."""
+    return int(request_id.rsplit("-", 1)[1])
+
+
+async def respond(
+    ctx: ServingContext,
+    requests: list[EngineRequest],
+    view: ResponseView,
+    streaming: bool,
+    raw_request: Request,
+) -> Response:
+    """Submit the requests, then stream the view's chunks or return its whole response."""
+    stream = await submit(ctx, requests)
+    if streaming:
+        return StreamingResponse(
+            sse_events(stream, view.chunks(stream)),
+            media_type="text/event-stream",
+            background=BackgroundTask(stream.abort),  # also when the body never started
+        )
+    finals = await collect_final(stream, raw_request)
+    return Response(view.response(finals).model_dump_json(), media_type="application/json")
 
 
 async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> RequestStream:
