@@ -49,16 +49,31 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-             f"must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-             f"must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0, "repetition_penalty",
-             f"must be > 0, got {self.repetition_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-             f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                f"must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                f"must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0.0,
+                "repetition_penalty",
+                f"must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
         ]
         for ok, name, message in checks:
