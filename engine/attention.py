@@ -243,7 +243,7 @@ def reference_paged_attention(
 # the metadata. A decode is either "plain" (attended over its whole context in padded
 # groups) or a member of a cascade group: decodes whose block tables start with the
 # same physical blocks, i.e. a shared cached prefix. A cascade group reads its prefix
-# K/V once for all members (one matmul per KV head against all their queries, keeping
+# K/V once for all members (one attention call over all their queries that also returns
 # each row's log-sum-exp), then each member attends over its own remaining blocks.
 #
 # The two partial softmaxes are merged exactly inside the second SDPA call: a member's
@@ -286,7 +286,7 @@ class _PrefixBatch:
     num_groups: int
     max_members: int
     prefix_len: int  # blocks * block_size
-    key_bias: torch.Tensor | None  # float [groups, 1, prefix_len]: 0 / -inf, None if unpadded
+    key_bias: torch.Tensor | None  # float [groups, 1, 1, prefix_len]: 0 / -inf, None if unpadded
 
 
 @dataclass
@@ -478,7 +478,7 @@ def _prefix_batch(
         shared = torch.tensor([g.shared_blocks * bs for g in batch], device=device)
         valid = torch.arange(blocks * bs, device=device)[None, :] < shared[:, None]
         key_bias = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-        key_bias = key_bias.masked_fill_(~valid, float("-inf"))[:, None, :]
+        key_bias = key_bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
     return _PrefixBatch(
         q_index=torch.tensor(q_tokens, device=device),
         flat_block_table=torch.tensor(table, dtype=torch.int64, device=device),
@@ -642,31 +642,45 @@ def _attend_prefix_batch(
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
-    groups, members, prefix_len = batch.num_groups, batch.max_members, batch.prefix_len
+    groups, members = batch.num_groups, batch.max_members
     keys, values = _gather_blocks(k_cache, v_cache, batch.flat_block_table, groups)
     keys, values = _as_float32(keys, values)
-    # All of a group's queries that read one KV head form one matrix: [kvh, G, M * per_kv, d].
+    # All of a group's queries that read one KV head form one matrix: [G, kvh, M * per_kv, d].
     qs = q.index_select(0, batch.q_index).view(groups, members, num_kv_heads, per_kv, head_dim)
-    qs = qs.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, groups, members * per_kv, head_dim)
-    qs = qs.float() * scale
-    scores = q.new_empty((num_kv_heads, groups, members * per_kv, prefix_len), dtype=torch.float32)
-    for j in range(num_kv_heads):  # strided K/V views, no copy (one batched call copies them)
-        torch.bmm(qs[j], keys[:, :, j].transpose(1, 2), out=scores[j])
-    if batch.key_bias is not None:
-        scores += batch.key_bias
-    # Softmax by hand (torch.logsumexp plus a normalising pass was slower), in place.
-    row_max = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(row_max).exp_()
-    row_sum = weights.sum(dim=-1, keepdim=True)
-    out = torch.empty_like(qs)
-    for j in range(num_kv_heads):
-        torch.bmm(weights[j], values[:, :, j], out=out[j])
-    out /= row_sum
-    lse = (row_max + row_sum.log()).squeeze(-1)
+    qs = qs.transpose(1, 2).reshape(groups, num_kv_heads, members * per_kv, head_dim).float()
+    out, lse = attention_with_lse(
+        qs, keys.transpose(1, 2), values.transpose(1, 2), batch.key_bias, scale
+    )
     # Back to one row per query slot, heads in q's order (KV head major).
-    out = out.view(num_kv_heads, groups, members, per_kv, head_dim).permute(1, 2, 0, 3, 4)
-    lse = lse.view(num_kv_heads, groups, members, per_kv).permute(1, 2, 0, 3)
+    out = out.view(groups, num_kv_heads, members, per_kv, head_dim).transpose(1, 2)
+    lse = lse.view(groups, num_kv_heads, members, per_kv).transpose(1, 2)
     return out.reshape(-1, num_heads, head_dim), lse.reshape(-1, num_heads)
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention ``[B, H, L, d]`` and the log-sum-exp of each row's scaled scores.
+
+    On CPU, torch's fused flash kernel returns both (one call instead of a dozen ops);
+    elsewhere `attention_with_lse_ops`. ``mask`` is additive (float32, broadcast).
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+    return attention_with_lse_ops(q, k, v, mask, scale)
+
+
+def attention_with_lse_ops(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` in plain torch ops, for any device."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
 
 
 def _sdpa_cascade_suffix(
