@@ -72,6 +72,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a tuning choice, not placement: on CPU decode queries are gathered in groups to bound "
         "the padded key gather; both branches run correctly on either device"
     ),
+    ("engine/attention.py", "attention_with_lse", 'device string "cpu"'): (
+        "a kernel choice, not placement: torch's fused flash kernel with log-sum-exp exists "
+        "only for CPU tensors; other devices take attention_with_lse_ops, tested equal to it"
+    ),
     ("engine/models/llama.py", "rope_inv_freq", "torch.arange without device="): (
         "inverse RoPE frequencies are computed on the host, as transformers does, so they are "
         "bit-identical to it; RotaryEmbedding moves them to the configured device once"
