@@ -161,7 +161,7 @@ class LLMEngine:
             request_id,
             list(prompt_token_ids),
             params,
-            eos_token_id=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)

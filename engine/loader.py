@@ -316,13 +316,13 @@ def iter_weights(
                 yield name, tensor if dtype is None else tensor.to(dtype)
 
 
-def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> int | set[int] | None:
-    """The token id(s) that end generation, as transformers' `generate` decides them.
+def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> frozenset[int]:
+    """The token ids that end generation, as transformers' `generate` decides them.
 
     generate stops at generation_config.eos_token_id (a model without generation_config.json
-    takes it from config.json); the tokenizer's eos is the last resort. One id comes back as
-    an int (SmolLM2-Instruct: 2, `<|im_end|>`, the end of a chat turn), several as a set
-    (e.g. Llama 3's end-of-text and end-of-turn), none as None.
+    takes it from config.json); the tokenizer's eos is the last resort. One frozenset from
+    here to the sampler and the stop check, whether the model names one id (SmolLM2-Instruct:
+    2, `<|im_end|>`), several (Llama 3's end-of-text and end-of-turn) or none (empty).
     """
     path = Path(path)
     ids: set[int] = set()
@@ -332,9 +332,7 @@ def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> int | set[in
             break
     if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         ids = {int(tokenizer.eos_token_id)}
-    if not ids:
-        return None
-    return next(iter(ids)) if len(ids) == 1 else ids
+    return frozenset(ids)
 
 
 def _read_json(file: Path) -> dict:

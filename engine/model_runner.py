@@ -91,7 +91,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
             generators,
-            [r.eos_token_id for r in requests],
+            [r.eos_token_ids for r in requests],
             self.device,
         )
         result = self.sampler(logits, meta)

@@ -91,19 +91,21 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
-        eos_token_ids: int | None | Sequence[int | None],
+        eos_token_ids: Sequence[frozenset[int]],
         device: torch.device | str,
     ) -> SamplingMetadata:
         """Gather the batch's settings; row i is request i.
 
         `generators[i]` is request i's own generator (from `make_generator`) when it has a
-        seed, else None. `eos_token_ids` is one id for the whole batch or one per row; eos
-        is masked under `min_tokens` unless the request ignores eos (then eos never stops it).
+        seed, else None. `eos_token_ids[i]` is request i's end-of-sequence ids (a frozenset,
+        as the request carries them); they are masked under `min_tokens` unless the request
+        ignores eos (then eos never stops it).
         """
         batch_size = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == batch_size):
             raise ValueError("params, token ids and generators must have one entry per row")
-        eos = _per_row_eos(eos_token_ids, batch_size)
+        if len(eos_token_ids) != batch_size:
+            raise ValueError(f"eos_token_ids has {len(eos_token_ids)} entries for {batch_size} rows")
         greedy = [is_greedy(p) for p in params]
         penalised = [has_penalties(p) for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -119,18 +121,9 @@ class SamplingMetadata:
             random=_random_rows(params, greedy, generators, device),
             penalties=_penalties(params, penalised, prompt_token_ids, output_token_ids, device),
             logit_bias=_logit_bias(params, device),
-            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos, device),
+            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
             max_num_logprobs=max(wanted) if wanted else None,
         )
-
-
-def _per_row_eos(eos_token_ids: int | None | Sequence[int | None], batch_size: int) -> list:
-    if eos_token_ids is None or isinstance(eos_token_ids, int):
-        return [eos_token_ids] * batch_size
-    eos = list(eos_token_ids)
-    if len(eos) != batch_size:
-        raise ValueError(f"eos_token_ids has {len(eos)} entries for {batch_size} rows")
-    return eos
 
 
 def _random_rows(
@@ -227,7 +220,7 @@ def _logit_bias(params: Sequence[SamplingParams], device: torch.device | str):
 def _min_tokens_mask(
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
-    eos: list[int | None],
+    eos_token_ids: Sequence[frozenset[int]],
     device: torch.device | str,
 ):
     entries = []
@@ -236,7 +229,7 @@ def _min_tokens_mask(
             continue
         # With ignore_eos, eos does not end the request, so there is nothing to prevent.
         blocked = set(p.stop_token_ids)
-        if eos[i] is not None and not p.ignore_eos:
-            blocked.add(eos[i])
+        if not p.ignore_eos:
+            blocked |= eos_token_ids[i]
         entries.extend((i, token, float("-inf")) for token in sorted(blocked))
     return _sparse(entries, device)

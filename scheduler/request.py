@@ -41,7 +41,6 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "sampling_params",
-        "eos_token_id",
         "eos_token_ids",
         "stop_screen",
         "cache_salt",
@@ -62,7 +61,7 @@ class Request:
         request_id: str,
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | Collection[int] | None = None,
+        eos_token_ids: Collection[int] = frozenset(),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
@@ -73,15 +72,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        # One id, or several (models with an end-of-text and an end-of-turn token).
-        self.eos_token_id = eos_token_id
-        self.eos_token_ids: frozenset[int] = (
-            frozenset()
-            if eos_token_id is None
-            else frozenset((eos_token_id,))
-            if isinstance(eos_token_id, int)
-            else frozenset(eos_token_id)
-        )
+        # Any number of ids (models with an end-of-text and an end-of-turn token); one
+        # frozenset is the only form, so every consumer hashes and tests it alike.
+        self.eos_token_ids = frozenset(eos_token_ids)
         # Every token that may stop the request, for a one-lookup screen per step;
         # the exact rules (ignore_eos, min_tokens) run only on a match.
         self.stop_screen = self.eos_token_ids | frozenset(sampling_params.stop_token_ids)

@@ -119,8 +119,8 @@ def test_iter_weights_casts_on_request():
 def test_default_eos_is_im_end_as_transformers_generate_uses():
     model_dir = default_model_dir()
     eos = load_generation_eos(model_dir, default_tokenizer())
-    assert eos == GenerationConfig.from_pretrained(model_dir).eos_token_id
-    assert default_tokenizer().convert_ids_to_tokens(eos) == "<|im_end|>"
+    assert eos == {GenerationConfig.from_pretrained(model_dir).eos_token_id}
+    assert default_tokenizer().convert_ids_to_tokens(list(eos)) == ["<|im_end|>"]
 
 
 def test_default_model_not_installed_says_how_to_install(monkeypatch):
@@ -233,7 +233,7 @@ def test_tiny_model_dir_round_trips(tmp_path, arch):
     assert ("model.layers.0.self_attn.q_proj.bias" in weights) == (arch == "qwen2")
     tokenizer = load_tokenizer(path)
     assert tokenizer.encode("a tiny test") == default_tokenizer().encode("a tiny test")
-    assert load_generation_eos(path, tokenizer) == 2
+    assert load_generation_eos(path, tokenizer) == {2}
 
 
 def test_tiny_model_weights_depend_only_on_the_seed(tmp_path):
@@ -258,14 +258,14 @@ def test_sharded_weights_come_from_every_shard(tmp_path):
 def test_eos_comes_from_generation_config_then_config_then_tokenizer(tmp_path):
     path = make_tiny_model_dir(tmp_path / "m")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
-    assert load_generation_eos(path) == {5, 7}
+    assert load_generation_eos(path) == frozenset({5, 7})
     (path / "generation_config.json").unlink()
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 9}))
-    assert load_generation_eos(path) == 9
+    assert load_generation_eos(path) == {9}
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
-    assert load_generation_eos(path, default_tokenizer()) == 2
-    assert load_generation_eos(path) is None
+    assert load_generation_eos(path, default_tokenizer()) == {2}
+    assert load_generation_eos(path) == frozenset()
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -23,14 +23,15 @@ DEVICE = torch.get_default_device()
 EOS = 2
 
 
-def build(params, prompts=None, outputs=None, generators=None, eos=EOS):
+def build(params, prompts=None, outputs=None, generators=None, eos=None):
+    """Metadata for `params`; `eos` is one frozenset per row (default: {EOS} for every row)."""
     n = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
-        eos,
+        eos if eos is not None else [frozenset({EOS})] * n,
         DEVICE,
     )
 
@@ -341,13 +342,37 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     ]
     outputs = [[9, 9], [9, 9], [], []]
     logits = random_logits(4, 10, seed=6)
-    got = Sampler.process_logits(logits, build(params, outputs=outputs, eos=[EOS, EOS, EOS, 3]))
+    eos = [frozenset({EOS})] * 3 + [frozenset({3})]
+    got = Sampler.process_logits(logits, build(params, outputs=outputs, eos=eos))
     masked = {r: set(torch.nonzero(got[r].isinf()).flatten().tolist()) for r in range(4)}
     assert masked == {0: {EOS, 4, 6}, 1: set(), 2: {6}, 3: set()}
     # The eos would have won greedily: with the mask the argmax is elsewhere.
     logits[0, EOS] = 50.0
     row0 = build(params[:1], outputs=outputs[:1])
     assert Sampler()(logits[:1], row0).token_ids.tolist() != [EOS]
+
+
+def test_min_tokens_masks_every_eos_of_a_multi_eos_model():
+    # Llama 3 / Qwen2.5-Instruct name two eos ids; a raw set here once crashed the step.
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=1),  # reached
+    ]
+    eos = [frozenset({EOS, 7})] * 3
+    logits = random_logits(3, 10, seed=3)
+    logits[:, 7] = 50.0  # the second eos would win greedily
+    meta = build(params, outputs=[[], [], [9]], eos=eos)
+    got = Sampler.process_logits(logits, meta)
+    masked = {r: set(torch.nonzero(got[r].isinf()).flatten().tolist()) for r in range(3)}
+    assert masked == {0: {EOS, 7}, 1: set(), 2: set()}
+    assert Sampler()(logits, meta).token_ids.tolist() != [7, 7, 7]
+    assert Sampler()(logits, meta).token_ids.tolist()[1:] == [7, 7]
+
+
+def test_eos_ids_must_be_one_per_row():
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        build([SamplingParams()] * 2, eos=[frozenset({EOS})])
 
 
 # --- logprobs ---------------------------------------------------------------------------

@@ -79,3 +79,28 @@ def make_tiny_model_dir(
     model.save_pretrained(str(path))
     default_tokenizer().save_pretrained(str(path))
     return path
+
+
+MULTI_EOS_PROMPT = list(range(100, 120))
+
+
+def make_multi_eos_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int = 0) -> Path:
+    """A tiny model whose config names two eos ids, as Llama 3 and Qwen2.5-Instruct do:
+    the tokenizer's (2) and a token greedy decoding of `MULTI_EOS_PROMPT` reaches third, so
+    the second id really ends that generation. Returns `path`; see `second_eos_id`."""
+    path = Path(path)
+    make_tiny_model_dir(path, arch, seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([MULTI_EOS_PROMPT])
+        gen = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=0)
+    second = int(gen[0, -1])
+    if second == TINY_CONFIG["eos_token_id"]:
+        raise AssertionError(f"seed {seed}: greedy already ends at eos; pick another seed")
+    return make_tiny_model_dir(path, arch, seed, eos_token_id=[TINY_CONFIG["eos_token_id"], second])
+
+
+def second_eos_id(path: str | os.PathLike) -> int:
+    """The eos id `make_multi_eos_model_dir` added (the one that is not the tokenizer's)."""
+    eos = AutoConfig.from_pretrained(path).eos_token_id
+    return next(int(t) for t in eos if t != TINY_CONFIG["eos_token_id"])

@@ -9,7 +9,7 @@ block table or a prefix-cache hit with the wrong contents changes the output.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from scheduler import (
     Request,
@@ -31,27 +31,20 @@ def fake_next_token(tokens: Sequence[int]) -> int:
 def reference_generate(
     prompt: Sequence[int],
     params: SamplingParams,
-    eos_token_id: int | set[int] | None,
+    eos_token_ids: Collection[int],
     max_model_len: int,
     next_token: Callable[[Sequence[int]], int] = fake_next_token,
 ) -> tuple[list[int], str]:
     """The outputs and finish reason of one request run alone, without any scheduler."""
     tokens = list(prompt)
     out: list[int] = []
-    eos_ids = (
-        set()
-        if eos_token_id is None
-        else {eos_token_id}
-        if isinstance(eos_token_id, int)
-        else set(eos_token_id)
-    )
     while True:
         token = next_token(tokens)
         tokens.append(token)
         out.append(token)
         stop_ok = len(out) >= params.min_tokens
         if stop_ok and (
-            (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+            (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         ):
             return out, "stop"
         if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
@@ -101,12 +94,12 @@ class Harness:
         self,
         request_id: str,
         prompt: Sequence[int],
-        eos_token_id: int | set[int] | None = None,
+        eos_token_ids: Collection[int] = frozenset(),
         cache_salt: str | None = None,
         **params,
     ) -> Request:
         request = Request(
-            request_id, prompt, SamplingParams(**params), eos_token_id, cache_salt=cache_salt
+            request_id, prompt, SamplingParams(**params), eos_token_ids, cache_salt=cache_salt
         )
         self.sched.add_request(request)
         self.requests[request_id] = request
@@ -184,7 +177,7 @@ class Harness:
         return reference_generate(
             request.prompt_token_ids,
             request.sampling_params,
-            request.eos_token_id,
+            request.eos_token_ids,
             self.config.max_model_len,
             self.next_token,
         )

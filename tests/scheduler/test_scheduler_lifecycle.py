@@ -159,28 +159,28 @@ def scripted(tokens):
 @pytest.mark.parametrize(
     ("params", "eos", "max_model_len", "expected", "reason"),
     [
-        ({"max_tokens": 10}, EOS, 64, [10, 11, EOS], "stop"),
+        ({"max_tokens": 10}, {EOS}, 64, [10, 11, EOS], "stop"),
         ({"max_tokens": 10}, {12, 99}, 64, [10, 11, EOS, 12], "stop"),  # several eos ids
-        ({"max_tokens": 10}, None, 64, SCRIPT_OUTPUTS[:10], "length"),
-        ({"max_tokens": 6, "ignore_eos": True}, EOS, 64, SCRIPT_OUTPUTS[:6], "length"),
-        ({"max_tokens": 10, "stop_token_ids": [STOP]}, None, 64, SCRIPT_OUTPUTS[:5], "stop"),
-        ({"max_tokens": 10, "min_tokens": 3}, EOS, 64, [10, 11, EOS], "stop"),
-        ({"max_tokens": 10, "min_tokens": 4}, EOS, 64, SCRIPT_OUTPUTS[:7], "stop"),
+        ({"max_tokens": 10}, set(), 64, SCRIPT_OUTPUTS[:10], "length"),
+        ({"max_tokens": 6, "ignore_eos": True}, {EOS}, 64, SCRIPT_OUTPUTS[:6], "length"),
+        ({"max_tokens": 10, "stop_token_ids": [STOP]}, set(), 64, SCRIPT_OUTPUTS[:5], "stop"),
+        ({"max_tokens": 10, "min_tokens": 3}, {EOS}, 64, [10, 11, EOS], "stop"),
+        ({"max_tokens": 10, "min_tokens": 4}, {EOS}, 64, SCRIPT_OUTPUTS[:7], "stop"),
         (
             {"max_tokens": 10, "min_tokens": 6, "stop_token_ids": [STOP]},
-            None,
+            set(),
             64,
             SCRIPT_OUTPUTS[:10],
             "length",
         ),
-        ({"max_tokens": 2}, EOS, 64, [10, 11], "length"),
-        ({"max_tokens": 10}, None, 7, [10, 11, EOS], "length"),  # 4 + 3 = max_model_len
-        ({"max_tokens": 3}, EOS, 64, [10, 11, EOS], "stop"),  # a stop token wins over length
+        ({"max_tokens": 2}, {EOS}, 64, [10, 11], "length"),
+        ({"max_tokens": 10}, set(), 7, [10, 11, EOS], "length"),  # 4 + 3 = max_model_len
+        ({"max_tokens": 3}, {EOS}, 64, [10, 11, EOS], "stop"),  # a stop token wins over length
     ],
 )
 def test_stop_rules(params, eos, max_model_len, expected, reason):
     h = Harness(make_config(max_model_len=max_model_len), next_token=scripted)
-    request = h.add("r", PROMPT, eos_token_id=eos, **params)
+    request = h.add("r", PROMPT, eos_token_ids=eos, **params)
     h.run()
     assert request.output_token_ids == expected
     assert request.finish_reason == reason

@@ -26,7 +26,7 @@ def draw_request(data, index: int) -> tuple[list[int], dict]:
     kwargs = dict(
         max_tokens=max_tokens,
         min_tokens=data.draw(st.integers(0, max_tokens)),
-        eos_token_id=data.draw(st.none() | st.integers(0, VOCAB - 1)),
+        eos_token_ids=data.draw(st.frozensets(st.integers(0, VOCAB - 1), max_size=2)),
         cache_salt=data.draw(st.sampled_from([None, None, "t1"])),
         ignore_eos=data.draw(st.booleans()),
     )

@@ -4,7 +4,7 @@ from scheduler import Request, RequestStatus, SamplingParams, SchedulerConfig
 
 
 def test_request_tracks_tokens_and_status():
-    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_id=0)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_ids={0})
     assert req.all_token_ids == [1, 2, 3] and req.output_token_ids == []
     assert req.num_prompt_tokens == 3 and req.num_output_tokens == 0
     assert req.status is RequestStatus.WAITING and not req.is_finished
@@ -78,10 +78,11 @@ def test_config_validation_names_the_field(kwargs, field):
         SchedulerConfig(**kwargs)
 
 
-def test_eos_can_be_one_id_or_several():
+def test_eos_is_one_frozenset_of_any_size():
     params = SamplingParams(stop_token_ids=[7])
     assert Request("r", [1], params).eos_token_ids == frozenset()
-    assert Request("r", [1], params, eos_token_id=2).eos_token_ids == {2}
-    several = Request("r", [1], params, eos_token_id={2, 5})
+    assert Request("r", [1], params, eos_token_ids=[2]).eos_token_ids == {2}
+    several = Request("r", [1], params, eos_token_ids={2, 5})
     assert several.eos_token_ids == {2, 5}
+    assert isinstance(several.eos_token_ids, frozenset)
     assert several.stop_screen == {2, 5, 7}
