@@ -24,6 +24,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
     "SamplingParams": "scheduler.sampling_params",
+    "StepError": "engine.errors",
 }
 
 __all__ = sorted(_EXPORTS)

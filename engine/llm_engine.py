@@ -21,6 +21,7 @@ from engine.config import (
     synchronize,
 )
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import StepError
 from engine.loader import (
     iter_weights,
     load_generation_eos,
@@ -201,13 +202,24 @@ class LLMEngine:
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        """One step; raises `StepError` (its requests aborted) when running it fails.
+
+        A failure is confined to the requests the step scheduled: they are aborted here,
+        so their blocks and per-request state are freed, and the next step runs without
+        them. A failure before anything was scheduled propagates as it is.
+        """
         sched_out = self.scheduler.schedule()
-        sampled = self.runner.execute(sched_out)
-        updated = self.scheduler.update_from_output(
-            sched_out, {rid: s.token_id for rid, s in sampled.items()}
-        )
-        outputs = [self._make_output(req, sampled[req.request_id]) for req in updated]
-        self._update_stats(sched_out, len(sampled))
+        try:
+            sampled = self.runner.execute(sched_out)
+            updated = self.scheduler.update_from_output(
+                sched_out, {rid: s.token_id for rid, s in sampled.items()}
+            )
+            outputs = [self._make_output(req, sampled[req.request_id]) for req in updated]
+        except Exception as exc:
+            ids = [s.request_id for s in sched_out.scheduled]
+            self.abort_request(ids)
+            raise StepError(ids, exc) from exc
+        self._update_stats(sched_out, updated)
         return outputs
 
     def _make_output(self, req: Request, sampled: SampledToken) -> RequestOutput:
@@ -246,7 +258,7 @@ class LLMEngine:
         self._logprobs[request_id].append(logprob)
         return [logprob]
 
-    def _update_stats(self, sched_out, num_sampled: int) -> None:
+    def _update_stats(self, sched_out, updated: list[Request]) -> None:
         s = self.stats
         kv = self.kv_cache_manager
         s.num_running = self.scheduler.num_running
@@ -255,11 +267,10 @@ class LLMEngine:
         s.prefix_cache_queries = kv.stats.queries
         s.prefix_cache_hits = kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
-        s.generation_tokens += num_sampled
-        decode_tokens = sum(
-            1 for r in sched_out.scheduled if r.num_computed_tokens >= r.request.num_prompt_tokens
-        )
-        s.prompt_tokens += sched_out.num_batched_tokens - decode_tokens
+        s.generation_tokens += len(updated)
+        # A request's first token ends its prefill: its whole prompt counts once, however
+        # much came from the prefix cache (a preempted request recomputes without recounting).
+        s.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
         s.num_steps += 1
         s.last_step_tokens = sched_out.num_batched_tokens
         s.last_step_seqs = len(sched_out.scheduled)

@@ -13,7 +13,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found there (cumulative)
     num_preemptions: int = 0  # cumulative
-    prompt_tokens: int = 0  # cumulative prompt tokens computed (cache hits excluded)
+    # Cumulative whole prompts (cache hits included) of requests whose prefill completed,
+    # counted once per request as vLLM counts them; the hits have their own counters.
+    prompt_tokens: int = 0
     generation_tokens: int = 0  # cumulative sampled tokens
     num_steps: int = 0
     last_step_tokens: int = 0  # tokens in the last step's batch

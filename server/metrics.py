@@ -31,7 +31,7 @@ logger = logging.getLogger("server.stats")
 disable_created_metrics()
 
 PREFIX = "pagedserve:"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: its engine step failed
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -71,7 +71,8 @@ class ServerMetrics:
                 PREFIX + "num_preemptions", "Requests preempted (blocks freed, recomputed later).",
                 registry=r),
             "prompt_tokens": Counter(
-                PREFIX + "prompt_tokens", "Prompt tokens computed (cache hits excluded).",
+                PREFIX + "prompt_tokens",
+                "Prompt tokens of prefilled requests, cache hits included (vLLM's count).",
                 registry=r),
             "generation_tokens": Counter(
                 PREFIX + "generation_tokens", "Tokens sampled.", registry=r),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import engine.llm_engine as llm_engine_module
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepError
 from engine.config import GpuMemory
 from tests.engine.test_engine_golden import assert_all_blocks_free
 from tests.engine.tiny_models import make_tiny_model_dir
@@ -106,10 +106,13 @@ def test_impossible_requests_are_refused_with_the_limits(llm):
 
 def test_stats_follow_the_steps(llm):
     eng = llm.engine
-    before = eng.stats.generation_tokens
+    before, prompt_before = eng.stats.generation_tokens, eng.stats.prompt_tokens
+    hits_before = eng.stats.prefix_cache_hits
     llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=3, temperature=0))
     assert eng.stats.generation_tokens == before + 6
-    assert eng.stats.prefix_cache_hits > 0  # the second copy of the prompt hit the first's blocks
+    assert eng.stats.prefix_cache_hits > hits_before  # the second copy hit the first's blocks
+    # Every prompt token of both requests counts, the cached ones too (vLLM's prompt_tokens).
+    assert eng.stats.prompt_tokens == prompt_before + 2 * len(PROMPT)
     assert eng.stats.num_running == 0 and eng.stats.num_waiting == 0
 
 
@@ -132,3 +135,38 @@ def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
     assert eng.num_blocks == (5 * 2**30 - (2 * 2**30 - scratch)) // per_block
     out = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))[0]
     assert len(out.token_ids) == 2
+
+
+def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
+    # max_num_seqs=1: one request per step, so the poisoned one's step holds only it.
+    eng = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64,
+                                 block_size=8, max_num_seqs=1))  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0)
+    alone = {}
+    for rid, prompt in (("a", PROMPT), ("b", PROMPT[::-1])):
+        eng.add_request(rid, prompt, params)
+        alone[rid] = run_until_done(eng)[rid].token_ids
+    real_execute = eng.runner.execute
+
+    def execute(sched_out):  # a fault injected for one request id
+        if any(s.request_id == "poisoned" for s in sched_out.scheduled):
+            raise RuntimeError("injected fault")
+        return real_execute(sched_out)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    eng.add_request("a", PROMPT, params)
+    eng.add_request("poisoned", PROMPT[:20], params)
+    eng.add_request("b", PROMPT[::-1], params)
+    finished, failures = {}, []
+    while eng.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o for o in eng.step() if o.finished})
+        except StepError as exc:
+            failures.append(exc)
+    assert [f.request_ids for f in failures] == [["poisoned"]]
+    assert "injected fault" in str(failures[0])
+    assert isinstance(failures[0].__cause__, RuntimeError)
+    assert {rid: out.token_ids for rid, out in finished.items()} == alone
+    kv = eng.kv_cache_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == eng.num_blocks
