@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import bad_request, engine_dead, install_error_handlers
+from server.errors import bad_request, engine_dead, install_error_handlers, shutting_down
 from server.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
@@ -105,6 +105,8 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> Response:
         if not ctx.engine.is_alive:
             return engine_dead(ctx.engine.dead_reason or "not started").response()
+        if not ctx.engine.is_accepting:  # draining: tell load balancers to stop sending
+            return shutting_down().response()
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -6,9 +6,15 @@ the thread hands each step's outputs back with `loop.call_soon_threadsafe`, one
 call per step, into the per-HTTP-request `RequestStream` queues.
 
 The thread blocks on the command queue while the engine has nothing to do (no
-busy loop) and steps back to back while it has. If a step raises, the thread
-marks the bridge dead (health turns 503), fails every in-flight request and
-every queued command with `EngineDeadError`, and exits; it stays dead.
+busy loop) and steps back to back while it has. A step that raises fails only the
+requests it ran (the engine aborts them, freeing their blocks; their streams get
+`RequestFailedError`, logged once with its traceback) and the loop goes on. After
+`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row the engine is taken as broken:
+the bridge turns dead (health 503), fails everything in flight and queued with
+`EngineDeadError`, and stays dead, so the process can exit and be restarted.
+
+Draining (graceful shutdown): `begin_drain()` refuses new requests with
+`EngineShutdownError` while those in flight go on; `wait_idle()` waits for them.
 """
 
 from __future__ import annotations
@@ -23,13 +29,26 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, StepError
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
+# Steps that may fail in a row before the engine is declared broken: one poisoned batch
+# fails its requests; a device or model that fails every step ends the process.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request."""
+
+
+class RequestFailedError(EngineError):
+    """A step running this request failed; the request was aborted, the engine goes on."""
+
+
+class EngineDeadError(EngineError):
     """The engine loop is not running (it failed, or the server is shutting down)."""
 
 
@@ -132,6 +151,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _dead/_num_queued against the dying thread
         self._dead: str | None = None
+        self._draining = False  # new requests refused, in-flight ones go on
+        self._failed_steps = 0  # consecutive (engine thread)
         self._num_queued = 0  # engine requests submitted, not yet handed to the engine
         self._num_engine_waiting = 0  # waiting inside the engine (engine thread writes)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,6 +190,21 @@ class AsyncEngine:
         return self._dead
 
     @property
+    def is_accepting(self) -> bool:
+        """Alive and not draining: what /health reports."""
+        return self.is_alive and not self._draining
+
+    @property
+    def died_of_failure(self) -> bool:
+        """Dead for another reason than a requested shutdown (the process should exit 1)."""
+        return self._dead is not None and self._dead != SHUTDOWN_REASON
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not yet finished (queued here or in the engine)."""
+        return self._num_queued + len(self._streams)
+
+    @property
     def num_waiting(self) -> int:
         """Engine requests submitted but not yet scheduled (queued here or waiting in the engine)."""
         return self._num_queued + self._num_engine_waiting
@@ -182,6 +218,20 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (`EngineShutdownError`); those in flight go on."""
+        with self._lock:
+            self._draining = True
+
+    async def wait_idle(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Wait until nothing is in flight (True) or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and self.is_alive:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
     def begin_shutdown(self) -> None:
         """Ask the thread to abort everything in flight and exit; does not wait."""
@@ -224,6 +274,8 @@ class AsyncEngine:
         with self._lock:
             if self._dead is not None:
                 raise _dead_error(self._dead)
+            if self._draining and num_requests:
+                raise EngineShutdownError(SHUTDOWN_REASON)
             if self._thread is None:
                 raise EngineDeadError("the engine loop has not been started")
             self._num_queued += num_requests
@@ -244,6 +296,9 @@ class AsyncEngine:
                     self._step()
                 else:
                     self._refresh_idle_gauges()
+        except _EngineBroken as exc:  # each failed step was logged with its traceback
+            logger.error("engine loop stopped: %s", exc)
+            reason = str(exc)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the loop, reported
             logger.exception("engine loop died")
             reason = f"engine loop died: {type(exc).__name__}: {exc}"
@@ -308,7 +363,12 @@ class AsyncEngine:
             self.metrics.on_request_done(self._times.pop(rid), "abort", now)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
+        self._failed_steps = 0
         now = time.monotonic()
         by_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
         for out in outputs:
@@ -323,6 +383,43 @@ class AsyncEngine:
         self._num_engine_waiting = stats.num_waiting
         self.metrics.on_step(stats)
         self._stats_logger.maybe_log(stats)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Fail the requests the step ran; after too many failures in a row, give up."""
+        self._failed_steps += 1
+        logger.error(
+            "engine step failed (%d in a row); failing its requests", self._failed_steps,
+            exc_info=exc,
+        )  # fmt: skip
+        if isinstance(exc, StepError):
+            ids = exc.request_ids  # the engine aborted them already
+        else:  # failed before it knew its requests: everything in flight is suspect
+            ids = list(self._streams)
+            self.engine.abort_request(ids)
+        self._fail_requests(ids, RequestFailedError(str(exc)))
+        if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise _EngineBroken(
+                f"{self._failed_steps} engine steps failed in a row; last: {exc}"
+            ) from exc
+
+    def _fail_requests(self, request_ids: list[str], error: EngineError) -> None:
+        """End these requests' streams with `error`; a stream's other requests (its other
+        choices) cannot complete its response any more, so they are aborted too."""
+        streams = {id(s): s for rid in request_ids if (s := self._streams.get(rid)) is not None}
+        if not streams:
+            return
+        failed = set(request_ids)
+        siblings = [
+            rid for rid, s in self._streams.items() if id(s) in streams and rid not in failed
+        ]
+        if siblings:
+            self.engine.abort_request(siblings)
+        now = time.monotonic()
+        for rid in [*failed & self._streams.keys(), *siblings]:
+            del self._streams[rid]
+            reason = "error" if rid in failed else "abort"
+            self.metrics.on_request_done(self._times.pop(rid), reason, now)
+        self._post(_fail_streams, list(streams.values()), error)
 
     def _track(self, out: RequestOutput, now: float) -> None:
         times = self._times[out.request_id]
@@ -389,6 +486,10 @@ class AsyncEngine:
         # RuntimeError: the loop closed between the check and the call.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(fn, *args)
+
+
+class _EngineBroken(RuntimeError):
+    """Raised on the engine thread when steps keep failing: the loop stops."""
 
 
 # Callbacks that run on the event loop.

@@ -8,7 +8,6 @@ map one to one onto `EngineConfig` fields; a flag left out keeps that field's de
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger("pagedserve")
 
@@ -71,6 +71,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 
@@ -144,6 +154,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
     g.add_argument("--max-request-body-bytes", type=parse_size,
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES)  # fmt: skip
+    g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
+                   "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
     g.add_argument("--stats-interval", type=float, default=5.0,
                    help="seconds between stats log lines while busy")  # fmt: skip
     g.add_argument("--log-level", default="info",
@@ -153,6 +166,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.async_engine import AsyncEngine
+    from server.shutdown import GracefulServer
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -172,10 +186,10 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    server = _AbortingServer(config, on_shutdown=client.begin_shutdown)
-    # uvicorn re-raises the Ctrl-C it handled once it has shut down.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+    GracefulServer(config, client, drain_timeout_s=args.drain_timeout).run()
+    if client.died_of_failure:
+        print(f"pagedserve: exiting: {client.dead_reason}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -186,24 +200,8 @@ def startup_banner(engine: Any, served_name: str, host: str, port: int) -> str:
         f"pagedserve: model {served_name} ({engine.config.model or 'default'}), dtype {dtype}, "
         f"device {engine.device}, {engine.num_blocks} KV blocks of {engine.config.block_size} "
         f"tokens, max_model_len {engine.max_model_len}\n"
-        f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)"
+        f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C or SIGTERM drains and stops)"
     )
-
-
-class _AbortingServer(uvicorn.Server):
-    """A uvicorn server whose shutdown first aborts in-flight requests.
-
-    Without it uvicorn would wait for every open stream to finish before the
-    app's lifespan shutdown stops the engine.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_shutdown = on_shutdown
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        self._on_shutdown()
-        await super().shutdown(sockets=sockets)
 
 
 # ------------------------------------------------------------------------------- generate

@@ -136,7 +136,8 @@ def engine_failed(reason: str) -> OpenAIError:
 def shutting_down() -> OpenAIError:
     return OpenAIError(
         HTTPStatus.SERVICE_UNAVAILABLE,
-        "The server is shutting down; the request was aborted.",
+        "The server is shutting down: it takes no new requests, and a request still "
+        "running when the drain timeout ends is aborted.",
         type=SERVER_ERROR,
         code="server_shutdown",
     )

@@ -24,6 +24,7 @@ from engine import RequestOutput, SamplingParams
 from server.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    EngineError,
     EngineRequest,
     EngineShutdownError,
     RequestStream,
@@ -125,8 +126,9 @@ async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> RequestS
         raise engine_dead(str(exc)) from exc
 
 
-def in_flight_error(exc: EngineDeadError) -> OpenAIError:
-    """The error for a request the engine stopped serving midway."""
+def in_flight_error(exc: EngineError) -> OpenAIError:
+    """The error for a request the engine stopped serving midway (a failed step, a dead
+    engine: 500 engine_error; a shutdown: 503)."""
     return shutting_down() if isinstance(exc, EngineShutdownError) else engine_failed(str(exc))
 
 
@@ -154,7 +156,7 @@ async def collect_final(stream: RequestStream, raw_request: Request) -> dict[str
         if collector in done:
             return collector.result()
         raise OpenAIError(CLIENT_CLOSED_REQUEST, "client disconnected")
-    except EngineDeadError as exc:
+    except EngineError as exc:
         raise in_flight_error(exc) from exc
     finally:
         watcher.cancel()
@@ -178,7 +180,7 @@ async def sse_events(stream: RequestStream, chunks: AsyncIterator[str]) -> Async
         try:
             async for chunk in chunks:
                 yield sse(chunk)
-        except EngineDeadError as exc:
+        except EngineError as exc:
             yield in_flight_error(exc).sse_event()
         except OpenAIError as exc:
             yield exc.sse_event()

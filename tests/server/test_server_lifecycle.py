@@ -184,10 +184,63 @@ def test_full_waiting_queue_is_503_with_retry_after(strict_server):
     assert strict_server.http(headers=AUTH).post("/v1/completions", json=body).status_code == 200
 
 
-# ----------------------------------------------------------------------------- engine death
+# ----------------------------------------------------------------------- failed steps, death
+
+POISON = random_ids(990, 12)  # a prompt the injected fault recognises
 
 
-def test_engine_death_fails_in_flight_requests_and_health(tiny_model_dir, monkeypatch):
+def poison_runner(engine, monkeypatch) -> None:
+    """A fault injected into the model runner for every step that runs a poisoned request."""
+    real_execute = engine.runner.execute
+
+    def execute(sched_out):
+        if any(s.request.prompt_token_ids[: len(POISON)] == POISON for s in sched_out.scheduled):
+            raise RuntimeError("injected fault")
+        return real_execute(sched_out)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(
+    tiny_model_dir, monkeypatch, caplog
+):
+    # max_num_seqs=1: a step runs one request, so of n=3 choices one fails in its step
+    # while its two siblings wait; they are aborted with it.
+    engine = make_engine(tiny_model_dir, num_blocks=128, max_num_seqs=1)
+    poison_runner(engine, monkeypatch)
+    error_label = {"finished_reason": "error"}
+    with running_server(engine) as server:
+        http = server.http()
+
+        def served_normally(seed: int) -> None:  # the engine goes on (and a step succeeds)
+            assert http.get("/health").status_code == 200
+            ok = http.post("/v1/completions", json={"prompt": random_ids(seed, 8), "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+            wait_until(server.all_blocks_free, 30, "blocks were not freed")
+
+        poisoned = {"model": MODEL_NAME, "prompt": POISON, "max_tokens": 4}
+        failed = http.post("/v1/completions", json=poisoned)
+        error = assert_openai_error(failed, 500)
+        assert error["code"] == "engine_error" and "injected fault" in error["message"]
+        served_normally(991)
+        with http.stream("POST", "/v1/completions", json={**poisoned, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = sse_payloads(stream.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_error"
+        served_normally(992)
+        aborts = server.metric("pagedserve:request_success_total", **ABORT)
+        failed_n = http.post("/v1/completions", json={**poisoned, "n": 3, "temperature": 1})
+        assert assert_openai_error(failed_n, 500)["code"] == "engine_error"
+        served_normally(993)
+        assert server.metric("pagedserve:request_success_total", **error_label) == 3
+        assert server.metric("pagedserve:request_success_total", **ABORT) == aborts + 2
+        assert server.client.is_alive
+    failures = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert len(failures) == 3 and all(r.exc_info for r in failures)  # once each, with traceback
+
+
+def test_an_engine_that_keeps_failing_is_declared_dead(tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir, num_blocks=128)
     real_step, broken = engine.step, threading.Event()
 
@@ -210,15 +263,20 @@ def test_engine_death_fails_in_flight_requests_and_health(tiny_model_dir, monkey
                 timeout=60,
             )
             wait_until(lambda: len(engine.scheduler.requests) == 2, 30, "second request not added")
-            broken.set()
+            broken.set()  # failed step 1 of 3: both requests in flight fail with it
             rest = sse_payloads(lines)
         assert rest[-1] == "[DONE]"
         error = json.loads(rest[-2])["error"]
-        assert error["type"] == "server_error" and "injected step failure" in error["message"]
-        failed = pending.result(timeout=60)
-        assert assert_openai_error(failed, 500)["code"] == "engine_error"
-        health = http.get("/health")
-        assert_openai_error(health, 503)
-        later = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert error["code"] == "engine_error" and "injected step failure" in error["message"]
+        assert assert_openai_error(pending.result(timeout=60), 500)["code"] == "engine_error"
+        assert http.get("/health").status_code == 200  # one failed step is not death
+        body = {"prompt": "hi", "max_tokens": 1}
+        for _ in range(2):  # failed steps 2 and 3
+            assert_openai_error(http.post("/v1/completions", json=body), 500)
+        wait_until(lambda: not server.client.is_alive, 30, "the engine was not declared dead")
+        assert server.client.died_of_failure
+        assert "3 engine steps failed in a row" in server.client.dead_reason
+        assert_openai_error(http.get("/health"), 503)
+        later = http.post("/v1/completions", json=body)
         assert assert_openai_error(later, 503)["code"] == "engine_dead"
-        assert server.metric("pagedserve:request_success_total", **ABORT) == 2
+        assert not engine.has_unfinished_requests()
