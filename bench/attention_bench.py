@@ -11,7 +11,8 @@ groups of 16 whose block tables start with the same 31 physical blocks (a
 its own. Every number is a median over interleaved repeats (the backends of one
 case take turns, so machine noise hits them alike); "x" columns are ratios to
 the default backend measured in the same run. Attention times are per layer call
-with the step's metadata already built (its per-step cost is printed apart).
+with the step's metadata built and each backend prepared (the per-step costs of
+both are printed apart).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import engine.attention.sdpa as sdpa
 from engine.attention import (
     DEFAULT_BACKEND,
+    AttentionBackend,
     AttentionMetadata,
+    SdpaBackend,
     allocate_kv_cache,
     get_attention_backend,
-    make_sdpa_backend,
     reference_paged_attention,
     write_kv,
 )
@@ -135,21 +138,29 @@ def sdpa_per_request(q, k_cache, v_cache, meta, scale):
     return out
 
 
-def _with_decode_kernel(decode_fn, group_size: int = 1 << 30):
-    """The default backend with its per-group decode kernel swapped for ``decode_fn``."""
-    import engine.attention as attention
+def sdpa_backend(decode_group: int | None = None, cascade: bool = True) -> SdpaBackend:
+    return SdpaBackend(NUM_HEADS, NUM_KV_HEADS, decode_group, cascade)
 
-    inner = make_sdpa_backend(group_size, cascade=False)
 
-    def backend(q, k_cache, v_cache, meta, scale):
-        original = attention._sdpa_decode_group
-        attention._sdpa_decode_group = decode_fn
+class SdpaWithKernel(SdpaBackend):
+    """The SDPA backend with one of its kernels (a function of engine.attention.sdpa) swapped."""
+
+    def __init__(self, kernel: str, fn: Callable, **options) -> None:
+        super().__init__(NUM_HEADS, NUM_KV_HEADS, **options)
+        self.kernel, self.fn = kernel, fn
+
+    def __call__(self, q, k_cache, v_cache, meta, scale):
+        original = getattr(sdpa, self.kernel)
+        setattr(sdpa, self.kernel, self.fn)
         try:
-            return inner(q, k_cache, v_cache, meta, scale)
+            return super().__call__(q, k_cache, v_cache, meta, scale)
         finally:
-            attention._sdpa_decode_group = original
+            setattr(sdpa, self.kernel, original)
 
-    return backend
+
+def _with_decode_kernel(decode_fn, group_size: int = 1 << 30) -> SdpaWithKernel:
+    """The default backend with its per-group decode kernel swapped for ``decode_fn``."""
+    return SdpaWithKernel("_sdpa_decode_group", decode_fn, decode_group=group_size, cascade=False)
 
 
 def cascade_explicit_merge():
@@ -159,13 +170,12 @@ def cascade_explicit_merge():
     log-sum-exp, and merged with the prefix result by the formula, instead of the
     default's single SDPA call that merges through pseudo keys.
     """
-    import engine.attention as attention
 
     def suffix(q, k_cache, v_cache, group, scale, prefix_out, prefix_lse):
         size, num_heads, head_dim = q.shape
         per_kv = num_heads // NUM_KV_HEADS
-        keys, values = attention._gather_blocks(k_cache, v_cache, group.flat_block_table, size)
-        keys, values = attention._as_float32(keys, values)
+        keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+        keys, values = sdpa._as_float32(keys, values)
         own = slice(0, group.padded_len)
         qg = q.reshape(size, NUM_KV_HEADS, per_kv, head_dim).float() * scale
         scores = torch.empty(NUM_KV_HEADS, size, per_kv, group.padded_len)
@@ -185,17 +195,7 @@ def cascade_explicit_merge():
         merged = (out * w_own + prefix_out * w_prefix) / (w_own + w_prefix)
         return merged.to(q.dtype)
 
-    inner = make_sdpa_backend()
-
-    def backend(q, k_cache, v_cache, meta, scale):
-        original = attention._sdpa_cascade_suffix
-        attention._sdpa_cascade_suffix = suffix
-        try:
-            return inner(q, k_cache, v_cache, meta, scale)
-        finally:
-            attention._sdpa_cascade_suffix = original
-
-    return backend
+    return SdpaWithKernel("_sdpa_cascade_suffix", suffix)
 
 
 def _gather_padded(cache, group, size):
@@ -227,10 +227,8 @@ def decode_matmul(q, k_cache, v_cache, group, scale):
 
 def decode_matmul_reused(q, k_cache, v_cache, group, scale):
     """Explicit matmul / float32 softmax over K/V gathered into the reused workspace."""
-    import engine.attention as attention
-
     n = q.shape[0]
-    keys, values = attention._gather_blocks(k_cache, v_cache, group.flat_block_table, n)
+    keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, n)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [G, kvh, S, d], strided
     qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
@@ -264,10 +262,14 @@ def make_flex_backend():
         )  # fmt: skip
         return out[:, :, 0]
 
-    batched = _with_decode_kernel(decode)  # all decodes in one call; prefills redone below
+    class FlexBackend(SdpaWithKernel):
+        """All decodes in one flex call (the swapped kernel), then the prefills redone by flex."""
 
-    def backend(q, k_cache, v_cache, meta, scale):
-        out = batched(q, k_cache, v_cache, meta, scale)
+        def __call__(self, q, k_cache, v_cache, meta, scale):
+            out = super().__call__(q, k_cache, v_cache, meta, scale)
+            return flex_prefills(out, q, k_cache, v_cache, meta, scale)
+
+    def flex_prefills(out, q, k_cache, v_cache, meta, scale):
         starts = meta.query_start_loc_list
         for r, q_len in enumerate(meta.query_lens):
             if q_len == 1:
@@ -288,7 +290,7 @@ def make_flex_backend():
             out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1)
         return out
 
-    return backend
+    return FlexBackend("_sdpa_decode_group", decode, decode_group=1 << 30, cascade=False)
 
 
 # --------------------------------------------------------------------------- timing
@@ -317,13 +319,13 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 def bench_attention(args) -> None:
     backends: dict[str, Callable] = {
-        DEFAULT_BACKEND + " (default)": get_attention_backend("auto"),
-        "sdpa-nocascade": get_attention_backend("sdpa-nocascade"),
+        DEFAULT_BACKEND + " (default)": get_attention_backend("auto", NUM_HEADS, NUM_KV_HEADS),
+        "sdpa-nocascade": get_attention_backend("sdpa-nocascade", NUM_HEADS, NUM_KV_HEADS),
         "cascade-explicit-merge": cascade_explicit_merge(),
-        "sdpa-group1": make_sdpa_backend(1),
-        "sdpa-group8": make_sdpa_backend(8),
-        "sdpa-group16": make_sdpa_backend(16),
-        "sdpa-group-all": make_sdpa_backend(1 << 30),
+        "sdpa-group1": sdpa_backend(1),
+        "sdpa-group8": sdpa_backend(8),
+        "sdpa-group16": sdpa_backend(16),
+        "sdpa-group-all": sdpa_backend(1 << 30),
         "sdpa-per-request": sdpa_per_request,
         "sdpa-enable_gqa-all": _with_decode_kernel(decode_sdpa_enable_gqa),
         "matmul-all": _with_decode_kernel(decode_matmul),
@@ -333,8 +335,9 @@ def bench_attention(args) -> None:
     if args.flex:
         backends["flex (compiled)"] = make_flex_backend()
     names = list(backends)
+    default = backends[names[0]]
     print(f"\n## paged attention, ms per layer call (median of {args.repeats}); x = / default")
-    header = "| dtype | case | metadata build ms | decode plan ms | " + " | ".join(names) + " |"
+    header = "| dtype | case | metadata build ms | prepare ms | " + " | ".join(names) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for dtype_name in args.dtypes:
@@ -343,6 +346,9 @@ def bench_attention(args) -> None:
             q_lens, s_lens, share = scenario(case)
             step = build_step(q_lens, s_lens, dtype, share=share)
             q, k_cache, v_cache, meta, tables = step
+            for backend in backends.values():
+                if isinstance(backend, AttentionBackend):
+                    backend.prepare(meta)  # once per step, as the model runner does
             fns = {
                 n: (lambda fn=fn, s=step: fn(s[0], s[1], s[2], s[3], SCALE))
                 for n, fn in backends.items()
@@ -358,7 +364,7 @@ def bench_attention(args) -> None:
                 },
                 args.repeats,
             )["b"]
-            plan = interleaved_medians({"p": lambda m=meta: _plan_decodes(m)}, args.repeats)["p"]
+            plan = interleaved_medians({"p": lambda m=meta: default.prepare(m)}, args.repeats)["p"]
             base = medians[names[0]]
             cells = []
             for n in names:
@@ -368,15 +374,6 @@ def bench_attention(args) -> None:
                     cells.append("-")
             row = f"| {dtype_name} | {case} | {build * 1e3:.3f} | {plan * 1e3:.3f} | "
             print(row + " | ".join(cells) + " |")
-
-
-def _plan_decodes(meta: AttentionMetadata) -> None:
-    """The default backend's once-per-step decode planning (cascade groups included)."""
-    import engine.attention as attention
-
-    meta._derived.clear()
-    if meta.num_decodes:
-        attention._decode_plan(meta, None, True, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS)
 
 
 def bench_write_kv(args) -> None:
@@ -478,7 +475,7 @@ def bench_model(args) -> None:
         for p in model.parameters():
             p.normal_(0, 0.02)
         models[name] = model
-    backends = {"": get_attention_backend("auto"), " nc": get_attention_backend("sdpa-nocascade")}
+    backends = {"": "auto", " nc": "sdpa-nocascade"}
     for case in args.model_cases:
         q_lens, s_lens, share = scenario(case)
         fns = {}
@@ -490,14 +487,16 @@ def bench_model(args) -> None:
             )  # fmt: skip
             ids = torch.randint(0, SMOLLM2["vocab_size"], (meta.num_tokens,))
             last = torch.tensor(meta.query_start_loc_list[1:]) - 1
-            for suffix, backend in backends.items():
+            for suffix, backend_name in backends.items():
                 if suffix and not any(g is not None for g in share):
                     continue  # no shared prefix: the same path as the default
+                backend = get_attention_backend(backend_name, NUM_HEADS, NUM_KV_HEADS)
 
                 def step(model=model, meta=meta, kv=kv, ids=ids, last=last, backend=backend):
+                    model.attn_backend = backend
                     for layer in model.layers:  # the backend each layer calls
                         layer.attn = backend
-                    meta._derived.clear()  # per-step work included, as in serving
+                    backend.prepare(meta)  # per-step work included, as in serving
                     hidden = model(ids, meta.positions, kv, meta)
                     return model.compute_logits(hidden[last])
 
@@ -509,9 +508,6 @@ def bench_model(args) -> None:
             f"| {case} | {med['fp32'] * 1e3:.1f} | {med['bf16'] * 1e3:.1f} | "
             f"{med['bf16'] / med['fp32']:.2f} | " + " | ".join(cells) + " |"
         )
-    for model in models.values():
-        for layer in model.layers:
-            layer.attn = get_attention_backend("auto")
 
 
 def main() -> None:

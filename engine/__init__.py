@@ -24,6 +24,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
     "SamplingParams": "scheduler.sampling_params",
+    "fits_context": "scheduler.config",
     "StepError": "engine.errors",
 }
 

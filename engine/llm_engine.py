@@ -40,6 +40,7 @@ from scheduler import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    fits_context,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class LLMEngine:
         )  # fmt: skip
         reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.build(query_lens, query_lens, tables, bs, self.device)
+        self.model.attn_backend.prepare(meta)
         ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta.positions, scratch, meta)
         last = torch.tensor(meta.query_start_loc_list[1:], device=self.device) - 1
@@ -179,8 +181,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if not fits_context(len(prompt_token_ids), params.max_tokens, self.max_model_len):
+            total = len(prompt_token_ids) + params.max_tokens
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"is {total}, more than max_model_len ({self.max_model_len})"

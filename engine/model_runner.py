@@ -56,6 +56,8 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, meta = self._prepare_inputs(out)
+        # The step's host-side attention planning, once: the layers then only run tensor work.
+        self.model.attn_backend.prepare(meta)
         hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         sampled = [s for s in out.scheduled if s.sample]
         if not sampled:

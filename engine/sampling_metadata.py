@@ -14,19 +14,12 @@ import torch
 
 from scheduler.sampling_params import SamplingParams
 
-# Temperatures below this are treated as greedy (dividing by them overflows).
-SAMPLING_EPS = 1e-5
-
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A request's own random stream: the runner keeps it across steps for a seeded request."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < SAMPLING_EPS
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -105,8 +98,10 @@ class SamplingMetadata:
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == batch_size):
             raise ValueError("params, token ids and generators must have one entry per row")
         if len(eos_token_ids) != batch_size:
-            raise ValueError(f"eos_token_ids has {len(eos_token_ids)} entries for {batch_size} rows")
-        greedy = [is_greedy(p) for p in params]
+            raise ValueError(
+                f"eos_token_ids has {len(eos_token_ids)} entries for {batch_size} rows"
+            )
+        greedy = [p.greedy for p in params]
         penalised = [has_penalties(p) for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy, all_random = all(greedy), not any(greedy)

@@ -125,13 +125,13 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        blocks: Sequence[KVCacheBlock],
+        block_ids: Sequence[int],
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:
-        """Cache blocks[num_cached_blocks:num_full_blocks], which just became
-        full; block_hashes[i] is the hash of blocks[i]."""
+        """Cache the blocks of block_ids[num_cached_blocks:num_full_blocks] (a request's
+        block table), which just became full; block_hashes[i] is the hash of block i."""
         if not self.enable_caching:
             return
         cached = self.cached_hash_to_block
@@ -140,7 +140,7 @@ class BlockPool:
             block_hash = block_hashes[i]
             if block_hash in cached:
                 continue  # a duplicate: see the module docstring
-            block = blocks[i]
+            block = self.blocks[block_ids[i]]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             block.block_hash = block_hash
             cached[block_hash] = block

@@ -1,5 +1,9 @@
 """KVCacheManager: per-request block tables on top of the block pool.
 
+The manager is the one owner of each request's block table (`get_block_ids`): a
+tuple of block ids, replaced (never mutated) as blocks are added, so the scheduler
+hands it to the model runner as it is and no reader ever sees it change.
+
 The scheduler's calls, per step:
 - new (or resumed) request: `hits, n = get_computed_blocks(req)`, then
   `allocate_slots(req, num_new_tokens, hits)` with req.num_computed_tokens
@@ -38,7 +42,6 @@ class _RequestState:
     """What the manager remembers about one request."""
 
     __slots__ = (
-        "blocks",
         "block_ids",
         "block_hashes",
         "num_cached_blocks",
@@ -47,12 +50,12 @@ class _RequestState:
     )
 
     def __init__(self, extra: object) -> None:
-        self.blocks: list[KVCacheBlock] = []  # the block table, append-only
-        self.block_ids: list[int] = []  # the same as ids, so get_block_ids is a copy
+        # The block table, append-only; the blocks themselves are the pool's.
+        self.block_ids: tuple[int, ...] = ()
         # Hashes of the request's full blocks of known tokens, computed once
         # and extended as the request grows.
         self.block_hashes: list[BlockHash] = []
-        # blocks[:num_cached_blocks] have been offered to the cache.
+        # block_ids[:num_cached_blocks] have been offered to the cache.
         self.num_cached_blocks = 0
         self.extra = extra  # extra_keys in the hasher's per-request form
         # (tokens looked up, hit tokens) of the last lookup, counted in the
@@ -147,11 +150,10 @@ class KVCacheManager:
             if hits:
                 raise ValueError("hits must come from get_computed_blocks for this request")
             state = _RequestState(self._hasher.prepare_extra(req.extra_keys))
-        blocks = state.blocks
         block_size = self.block_size
         num_hits = len(hits)
         num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
-        num_new_blocks = -(-num_tokens // block_size) - len(blocks) - num_hits
+        num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids) - num_hits
 
         # Hit blocks with ref_cnt 0 sit in the free queue: touching them uses
         # up free blocks just like allocating does.
@@ -170,13 +172,11 @@ class KVCacheManager:
             self._count_lookup(state)
         if num_hits:
             pool.touch(hits)
-            blocks.extend(hits)
-            state.block_ids.extend([block.block_id for block in hits])
+            state.block_ids += tuple([block.block_id for block in hits])
             state.num_cached_blocks = num_hits
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            state.block_ids.extend([block.block_id for block in new_blocks])
+            state.block_ids += tuple([block.block_id for block in new_blocks])
         else:
             new_blocks = []
 
@@ -200,7 +200,7 @@ class KVCacheManager:
     def _check_hits(self, state: _RequestState, hits: Sequence[KVCacheBlock]) -> None:
         """Reject hits that are not this request's prefix any more, e.g. a hit
         evicted by another allocation between lookup and allocation."""
-        if state.blocks:
+        if state.block_ids:
             raise ValueError("hits can only be given to a request that holds no blocks yet")
         hashes = state.block_hashes
         if len(hits) > len(hashes):
@@ -216,7 +216,9 @@ class KVCacheManager:
         hashes = state.block_hashes
         if len(hashes) < num_full:
             self._hasher.extend(hashes, token_ids, self.block_size, state.extra, num_full)
-        self.block_pool.cache_full_blocks(state.blocks, hashes, state.num_cached_blocks, num_full)
+        self.block_pool.cache_full_blocks(
+            state.block_ids, hashes, state.num_cached_blocks, num_full
+        )
         state.num_cached_blocks = num_full
 
     def free(self, req: RequestLike | str) -> None:
@@ -227,17 +229,18 @@ class KVCacheManager:
         """
         request_id = req if isinstance(req, str) else req.request_id
         state = self._requests.pop(request_id, None)
-        if state is not None and state.blocks:
-            self.block_pool.free_blocks(reversed(state.blocks))
+        if state is not None and state.block_ids:
+            blocks = self.block_pool.blocks
+            self.block_pool.free_blocks([blocks[i] for i in reversed(state.block_ids)])
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (a copy); [] for an unknown request."""
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (never mutated, safe to keep); () for an unknown request."""
         state = self._requests.get(request_id)
-        return list(state.block_ids) if state is not None else []
+        return state.block_ids if state is not None else ()
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        state = self._requests.get(request_id)
-        return list(state.blocks) if state is not None else []
+        blocks = self.block_pool.blocks
+        return [blocks[i] for i in self.get_block_ids(request_id)]
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be evicted) first."""
@@ -256,19 +259,22 @@ class KVCacheManager:
         pool.check_invariants()
         holders = [0] * pool.num_blocks
         for request_id, state in self._requests.items():
-            ids = [block.block_id for block in state.blocks]
-            if ids != state.block_ids:
-                raise AssertionError(f"request {request_id}: block ids disagree with its blocks")
+            ids = state.block_ids
+            if not isinstance(ids, tuple):
+                raise AssertionError(f"request {request_id}: block table is not a tuple")
+            if not all(0 <= i < pool.num_blocks for i in ids):
+                raise AssertionError(f"request {request_id} holds a block not in the pool: {ids}")
             if len(set(ids)) != len(ids):
                 raise AssertionError(f"request {request_id} holds a block twice: {ids}")
-            if state.num_cached_blocks > len(state.blocks):
+            if state.num_cached_blocks > len(ids):
                 raise AssertionError(f"request {request_id}: more cached blocks than blocks")
             for block_id in ids:
                 holders[block_id] += 1
+            blocks = [pool.blocks[i] for i in ids]
             num_cached = state.num_cached_blocks
             if len(state.block_hashes) < num_cached:
                 raise AssertionError(f"request {request_id}: cached blocks without hashes")
-            for block in state.blocks[num_cached:]:
+            for block in blocks[num_cached:]:
                 # Only this request could have cached it, and it has not yet.
                 if block.block_hash is not None:
                     raise AssertionError(
@@ -276,7 +282,7 @@ class KVCacheManager:
                         f"request's cached blocks but carries a hash (not evicted?)"
                     )
             for block, block_hash in zip(
-                state.blocks[:num_cached], state.block_hashes[:num_cached], strict=True
+                blocks[:num_cached], state.block_hashes[:num_cached], strict=True
             ):
                 # A held cached block keeps its hash; a duplicate has none.
                 if block.block_hash is not None and block.block_hash != block_hash:

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler: requests, queues, token budget, chunked prefill, preemption."""
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -14,4 +14,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "fits_context",
 ]

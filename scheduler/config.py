@@ -7,6 +7,13 @@ from dataclasses import dataclass
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
 
 
+def fits_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
+    """The context-length rule: a prompt and up to ``max_tokens`` generated tokens fit in
+    ``max_model_len``. The engine and the server refuse a request that breaks it; the
+    scheduler alone refuses only a prompt with no room for one output token."""
+    return num_prompt_tokens + max_tokens <= max_model_len
+
+
 @dataclass
 class SchedulerConfig:
     # Running requests at most. A budget below it needs no check: a request is only

@@ -13,8 +13,9 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step (a fresh list)
     num_computed_tokens: int  # tokens already in the KV cache = position of token_ids[0]
-    # The request's whole block table. A tuple that the scheduler replaces (never
-    # mutates) when blocks are added, so it stays valid however long a reader keeps it.
+    # The request's whole block table, as the KV cache manager owns it: a tuple it
+    # replaces (never mutates) when blocks are added, so it stays valid however long a
+    # reader keeps it.
     block_ids: tuple[int, ...]
     # True when the next token after the last position is wanted this step: a decode,
     # or the chunk that completes the prompt (or a preempted request's recomputation).

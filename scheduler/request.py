@@ -53,7 +53,6 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "stop_reason",
-        "block_ids",
     )
 
     def __init__(
@@ -93,9 +92,6 @@ class Request:
         self.num_preemptions = 0
         # The token id (or, set by the engine, the stop string) that stopped the request.
         self.stop_reason: int | str | None = None
-        # The block table as the scheduler hands it out: a tuple, so one object can be
-        # shared with every step's output at no cost and never changes under a reader.
-        self.block_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

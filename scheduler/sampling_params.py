@@ -7,6 +7,7 @@ detokenizer read the rest. `engine` re-exports it as `engine.SamplingParams`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 MAX_LOGPROBS = 20
 
@@ -36,10 +37,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.verify()
 
+    # Temperatures below this are greedy (vLLM does the same): sampling is numerically
+    # greedy there anyway, and dividing float32 logits by them could overflow.
+    GREEDY_TEMPERATURE: ClassVar[float] = 1e-5
+
     @property
     def greedy(self) -> bool:
-        # Below this, temperature scaling overflows float32 logits: treat as greedy.
-        return self.temperature < 1e-5
+        return self.temperature < self.GREEDY_TEMPERATURE
 
     def verify(self) -> None:
         """Raise ValueError naming the offending field; the server turns it into a 400."""

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from kv_cache import KVCacheManager
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
@@ -65,7 +65,7 @@ class Scheduler:
     def _check_fits(self, request: Request) -> None:
         cfg = self.config
         num_prompt = request.num_prompt_tokens
-        if num_prompt + 1 > cfg.max_model_len:
+        if not fits_context(num_prompt, 1, cfg.max_model_len):
             raise ValueError(
                 f"prompt of {num_prompt} tokens leaves no room for an output token: "
                 f"prompt + 1 must be <= max_model_len={cfg.max_model_len}"
@@ -109,7 +109,6 @@ class Scheduler:
 
     def _retire(self, request: Request) -> None:
         """Forget a finished request (its blocks are already freed; queues are fixed by the caller)."""
-        request.block_ids = ()
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
@@ -144,6 +143,7 @@ class Scheduler:
         # The per-step hot loop (one pass per running request): locals, no calls
         # besides the KV manager's.
         allocate = self.kv_cache_manager.allocate_slots
+        block_table = self.kv_cache_manager.get_block_ids
         make = ScheduledRequest
         running = self.running
         index = 0
@@ -166,17 +166,16 @@ class Scheduler:
                 if victim is request:
                     return budget
                 new_blocks = allocate(request, num_new)
-            if new_blocks:
-                request.block_ids += tuple([block.block_id for block in new_blocks])
             end = start + num_new
             request.num_computed_tokens = end
+            request_id = request.request_id
             scheduled.append(
                 make(
                     request,
-                    request.request_id,
+                    request_id,
                     all_ids[start:end],
                     start,
-                    request.block_ids,
+                    block_table(request_id),
                     end == num_tokens,
                 )
             )
@@ -199,9 +198,6 @@ class Scheduler:
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
-            request.block_ids = tuple([block.block_id for block in hits]) + tuple(
-                [block.block_id for block in new_blocks]
-            )
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -211,8 +207,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    @staticmethod
-    def _make_scheduled(request: Request, num_new: int) -> ScheduledRequest:
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         all_ids = request.all_token_ids
@@ -222,7 +217,7 @@ class Scheduler:
             request.request_id,
             all_ids[start:end],
             start,
-            request.block_ids,
+            self.kv_cache_manager.get_block_ids(request.request_id),
             end == len(all_ids),
         )
 
@@ -231,7 +226,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.block_ids = ()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import SamplingParams
+from engine import SamplingParams, fits_context
 from server.errors import bad_request
 
 MAX_N = 128
@@ -25,7 +25,7 @@ MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1
 # Below this temperature sampling is numerically greedy anyway (vLLM does the same), and
 # dividing the logits by it could overflow.
-MIN_SAMPLING_TEMPERATURE = 1e-5
+MIN_SAMPLING_TEMPERATURE = SamplingParams.GREEDY_TEMPERATURE
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -205,7 +205,7 @@ def check_context_length(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_param: str
 ) -> None:
     total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
+    if not fits_context(num_prompt_tokens, max_tokens, max_model_len):
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {total} tokens ({num_prompt_tokens} in the {prompt_param}, "

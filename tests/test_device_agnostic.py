@@ -68,11 +68,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "safetensors reads each weight into host memory; load_weights copies it into the "
         "parameter on the configured device (dest.copy_), so loading is the same on both"
     ),
-    ("engine/attention.py", "_decode_groups", 'device string "cpu"'): (
+    ("engine/attention/decode_plan.py", "_decode_groups", 'device string "cpu"'): (
         "a tuning choice, not placement: on CPU decode queries are gathered in groups to bound "
         "the padded key gather; both branches run correctly on either device"
     ),
-    ("engine/attention.py", "attention_with_lse", 'device string "cpu"'): (
+    ("engine/attention/sdpa.py", "attention_with_lse", 'device string "cpu"'): (
         "a kernel choice, not placement: torch's fused flash kernel with log-sum-exp exists "
         "only for CPU tensors; other devices take attention_with_lse_ops, tested equal to it"
     ),

@@ -184,7 +184,8 @@ def _architecture(config: Any, attn_backend: str) -> dict[str, Any]:
         "o_bias": o_bias,
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
         "act": act,
-        "attn_backend": get_attention_backend(attn_backend),
+        # One backend object for all layers: the runner prepares it once per step.
+        "attn_backend": get_attention_backend(attn_backend, num_heads, num_kv_heads),
     }
 
 
@@ -224,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.sliding_window = sliding_window(hf_config)
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
+        # Every layer calls it; `attn_backend.prepare(meta)` must run once before each step.
+        self.attn_backend = arch["attn_backend"]
 
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
@@ -247,7 +250,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Flat tokens ``[T]`` at ``positions [T]`` -> final-normed hidden states ``[T, H]``."""
+        """Flat tokens ``[T]`` at ``positions [T]`` -> final-normed hidden states ``[T, H]``.
+
+        ``self.attn_backend.prepare(meta)`` must have run for this step.
+        """
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         hidden = F.embedding(input_ids, self.embed_tokens)

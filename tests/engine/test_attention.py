@@ -7,19 +7,37 @@ import random
 import pytest
 import torch
 
-import engine.attention as attention
+import engine.attention.decode_plan as decode_plan
+import engine.attention.sdpa as sdpa
 from engine.attention import (
+    AttentionBackend,
     AttentionMetadata,
     CascadeGroup,
+    ReferenceBackend,
+    SdpaBackend,
     allocate_kv_cache,
     cascade_groups,
     get_attention_backend,
-    make_sdpa_backend,
     reference_paged_attention,
     write_kv,
 )
 
 BLOCK_SIZE = 4
+
+
+def attend(backend: AttentionBackend, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    """One layer of a step as the model runner drives it: prepare the step, then call."""
+    backend.prepare(meta)
+    return backend(q, k_cache, v_cache, meta, scale)
+
+
+def named(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> AttentionBackend:
+    """Backend ``name`` for the head layout of ``q`` and the cache."""
+    return get_attention_backend(name, q.shape[1], k_cache.shape[2])
+
+
+def sdpa_backend(q: torch.Tensor, k_cache: torch.Tensor, **options) -> SdpaBackend:
+    return SdpaBackend(q.shape[1], k_cache.shape[2], **options)
 
 
 def make_batch(
@@ -198,7 +216,7 @@ def test_fast_backend_equals_reference(dtype, tol, seed, decodes_first):
         rng.shuffle(shapes)
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 2, 16, dtype)
     scale = 16**-0.5
-    fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, scale)
+    fast = attend(named("auto", q, k_cache), q, k_cache, v_cache, meta, scale)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, scale)
     assert fast.dtype == dtype and fast.shape == q.shape
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
@@ -211,7 +229,7 @@ def test_fast_backend_decodes_without_padding(dtype):
     torch.manual_seed(7)
     shapes = [(1, 3 * BLOCK_SIZE)] * 4 + [(5, 9)]
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 4, 1, 8, dtype)
-    fast = get_attention_backend("sdpa")(q, k_cache, v_cache, meta, 0.3)
+    fast = attend(named("sdpa", q, k_cache), q, k_cache, v_cache, meta, 0.3)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
@@ -225,7 +243,7 @@ def test_fast_backend_any_decode_grouping_equals_reference(group):
     shapes = [(1, rng.randint(1, 40)) for _ in range(7)] + [(6, 20)]
     rng.shuffle(shapes)
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 3, 8, torch.float32)
-    fast = make_sdpa_backend(group)(q, k_cache, v_cache, meta, 0.4)
+    fast = attend(sdpa_backend(q, k_cache, decode_group=group), q, k_cache, v_cache, meta, 0.4)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.4)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
@@ -239,15 +257,22 @@ def test_backend_without_cascade_equals_reference(decodes_first):
     q, k_cache, v_cache, meta, _ = make_batch(
         rng, [shapes[r] for r in order], 6, 2, 8, torch.float32, share=[share[r] for r in order]
     )
-    fast = get_attention_backend("sdpa-nocascade")(q, k_cache, v_cache, meta, 0.3)
+    fast = attend(named("sdpa-nocascade", q, k_cache), q, k_cache, v_cache, meta, 0.3)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        get_attention_backend("nope")
-    assert get_attention_backend("reference") is reference_paged_attention
+        get_attention_backend("nope", 4, 2)
+    assert isinstance(get_attention_backend("reference", 4, 2), ReferenceBackend)
+    assert get_attention_backend("auto", 4, 2) is not get_attention_backend("auto", 4, 2)
+
+
+def test_a_backend_called_before_prepare_says_so():
+    q, k_cache, v_cache, meta, _ = make_batch(random.Random(0), [(1, 5)], 4, 2, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="prepare"):
+        named("auto", q, k_cache)(q, k_cache, v_cache, meta, 0.3)
 
 
 # --------------------------------------------------------------------------- cascade
@@ -287,13 +312,13 @@ class PrefixSpy:
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, int, int]] = []  # (groups, members, prefix keys)
-        original = attention._attend_prefix_batch
+        original = sdpa._attend_prefix_batch
 
         def spy(q, k_cache, v_cache, batch, scale):
             self.calls.append((batch.num_groups, batch.max_members, batch.prefix_len))
             return original(q, k_cache, v_cache, batch, scale)
 
-        monkeypatch.setattr(attention, "_attend_prefix_batch", spy)
+        monkeypatch.setattr(sdpa, "_attend_prefix_batch", spy)
 
 
 def test_cascade_groups_of_a_mixed_step():
@@ -301,7 +326,6 @@ def test_cascade_groups_of_a_mixed_step():
     _, _, _, meta, _ = make_batch(random.Random(0), shapes, 4, 2, 8, torch.float32, share=share)
     groups = cascade_groups(meta)
     assert set(groups) == expected and len(groups) == len(expected)
-    assert cascade_groups(meta) is groups  # planned once per step
 
 
 def tables_meta(tables: list[list[int]], seq_lens: list[int], query_lens=None):
@@ -353,7 +377,7 @@ def test_cascade_equals_reference(monkeypatch, dtype, tol, num_heads, num_kv_hea
         rng, shapes, num_heads, num_kv_heads, 8, dtype, share=share
     )
     spy = PrefixSpy(monkeypatch)
-    fast = make_sdpa_backend(group)(q, k_cache, v_cache, meta, 0.3)
+    fast = attend(sdpa_backend(q, k_cache, decode_group=group), q, k_cache, v_cache, meta, 0.3)
     # Groups a (4 members, 5 blocks) and b (3, 3) padded into one prefix batch, d apart.
     assert spy.calls == [(2, 4, 5 * BLOCK_SIZE), (1, 2, 2 * BLOCK_SIZE)]
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
@@ -369,7 +393,7 @@ def test_cascade_prefix_batches_split_when_padding_would_dominate(monkeypatch):
     share = [("big", 10)] * 8 + [("small", 1)] * 2
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 4, 2, 8, torch.float32, share=share)
     spy = PrefixSpy(monkeypatch)
-    fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, 0.5)
+    fast = attend(named("auto", q, k_cache), q, k_cache, v_cache, meta, 0.5)
     assert sorted(spy.calls) == [(1, 2, 1 * BLOCK_SIZE), (1, 8, 10 * BLOCK_SIZE)]
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.5)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
@@ -377,18 +401,18 @@ def test_cascade_prefix_batches_split_when_padding_would_dominate(monkeypatch):
 
 def test_cascade_and_plain_groups_under_a_small_key_budget(monkeypatch):
     """The CPU default packs decodes by padded keys; a tiny budget makes many groups."""
-    monkeypatch.setattr(attention, "CPU_DECODE_KEYS", 24)
+    monkeypatch.setattr(decode_plan, "CPU_DECODE_KEYS", 24)
     rng = random.Random(5)
     torch.manual_seed(5)
     shapes, share, _ = sharing_step()
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 2, 8, torch.float32, share=share)
-    fast = make_sdpa_backend()(q, k_cache, v_cache, meta, 0.3)
+    fast = attend(sdpa_backend(q, k_cache), q, k_cache, v_cache, meta, 0.3)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_cascade_layers_reuse_the_step_plan():
-    """Layers share the memoised plan; each layer's prefix results replace the last's."""
+def test_cascade_layers_reuse_the_step_plan(monkeypatch):
+    """One prepare plans the step; each layer's prefix results replace the last's."""
     rng = random.Random(8)
     torch.manual_seed(8)
     shapes, share, _ = sharing_step()
@@ -396,11 +420,16 @@ def test_cascade_layers_reuse_the_step_plan():
     _, k2, v2, _, _ = make_batch(random.Random(8), shapes, 6, 2, 8, torch.float32, share=share)
     k2.normal_()  # a second layer: same blocks, other contents
     v2.normal_()
-    backend = get_attention_backend("auto")
+    plans = []
+    plan_decodes = sdpa.plan_decodes
+    monkeypatch.setattr(sdpa, "plan_decodes", lambda *a: plans.append(a) or plan_decodes(*a))
+    backend = named("auto", q, k1)
+    backend.prepare(meta)
     for k_cache, v_cache in [(k1, v1), (k2, v2), (k1, v1)]:
         fast = backend(q, k_cache, v_cache, meta, 0.3)
         ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
         torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    assert len(plans) == 1  # the layers only ran the plan
 
 
 def random_sharing_step(rng: random.Random):
@@ -428,7 +457,7 @@ def test_cascade_random_sharing_equals_reference(dtype, tol, seed):
     torch.manual_seed(seed)
     shapes, share = random_sharing_step(rng)
     q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 6, 2, 8, dtype, share=share)
-    fast = get_attention_backend("auto")(q, k_cache, v_cache, meta, 0.35)
+    fast = attend(named("auto", q, k_cache), q, k_cache, v_cache, meta, 0.35)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.35)
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -436,7 +465,7 @@ def test_cascade_random_sharing_equals_reference(dtype, tol, seed):
 def test_gather_workspace_serves_inference_mode_and_normal_callers():
     """The engine gathers under inference mode; tests and tools may call outside it.
     A buffer created in one mode must never be written in the other (RuntimeError)."""
-    from engine.attention import _workspace
+    from engine.attention.sdpa import _workspace
 
     like = torch.zeros(1)
     with torch.inference_mode():

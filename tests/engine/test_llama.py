@@ -127,6 +127,7 @@ class PagedDriver:
             ids.extend(tokens)
             self.computed[req] = seq_len
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
+        self.model.attn_backend.prepare(meta)
         hidden = self.model(torch.tensor(ids), meta.positions, self.kv, meta)
         last = torch.tensor(meta.query_start_loc_list[1:]) - 1
         return self.model.compute_logits(hidden[last])
@@ -155,6 +156,7 @@ def test_full_prompt_logits_match_transformers(name):
         ours.num_layers, 40, BLOCK_SIZE, ours.num_kv_heads, ours.head_dim, torch.float32, "cpu"
     )
     meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE, "cpu")
+    ours.attn_backend.prepare(meta)
     with torch.inference_mode():
         hidden = ours(torch.tensor(sum(batch, [])), meta.positions, kv, meta)
         logits = ours.compute_logits(hidden)

@@ -112,7 +112,7 @@ def test_cache_salt_tenants_never_share_blocks(algo: str) -> None:
     same_tenant = Req("c", list(prompt), extra_keys=("tenant-a",))
     hits, num_hit_tokens = mgr.get_computed_blocks(same_tenant)
     assert num_hit_tokens == 12
-    assert [b.block_id for b in hits] == mgr.get_block_ids("a")[:3]
+    assert tuple(b.block_id for b in hits) == mgr.get_block_ids("a")[:3]
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -120,7 +120,7 @@ def test_partial_blocks_are_never_cached(algo: str) -> None:
     mgr = KVCacheManager(num_blocks=10, block_size=4, hash_algo=algo)
     req = Req("a", list(range(6)))
     mgr.allocate_slots(req, 6)
-    assert mgr.get_block_ids("a") == [0, 1]
+    assert mgr.get_block_ids("a") == (0, 1)
     assert mgr.cached_block_ids() == {0}
     assert mgr.block_pool.blocks[1].block_hash is None
     # A request sharing 6 tokens hits only the full block.

@@ -72,7 +72,7 @@ def test_free_hits_count_as_used_free_blocks(algo: str) -> None:
 
     mgr.free(filler)
     assert admit(mgr, b) is not None
-    assert mgr.get_block_ids("b")[:2] == [0, 1]
+    assert mgr.get_block_ids("b")[:2] == (0, 1)
     mgr.check_invariants()
 
 
@@ -83,7 +83,7 @@ def test_hits_in_use_need_no_free_block(algo: str) -> None:
     admit(mgr, Req("a", [*shared, 99]))  # holds 0,1,2; 2 free
     b = Req("b", [*shared, 1, 2, 3, 4, 5])  # hits 0,1 (held by a) + 2 new
     assert admit(mgr, b) is not None
-    assert mgr.get_block_ids("b") == [0, 1, 3, 4]
+    assert mgr.get_block_ids("b") == (0, 1, 3, 4)
     assert [mgr.block_pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
     mgr.check_invariants()
 
@@ -108,7 +108,7 @@ def test_caching_disabled() -> None:
     req = Req("b", list(range(12)))
     assert mgr.get_computed_blocks(req) == ([], 0)
     assert admit(mgr, req) is not None
-    assert mgr.get_block_ids("b") == [3, 4, 5]
+    assert mgr.get_block_ids("b") == (3, 4, 5)
     assert mgr.cached_block_ids() == set()
     assert all(b.block_hash is None for b in mgr.block_pool.blocks)
     assert (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits) == (0, 0, 0)
@@ -162,7 +162,7 @@ def test_duplicate_blocks_are_not_cached_twice(algo: str) -> None:
     admit(mgr, r1)
     r2 = Req("2", list(range(6)))
     admit(mgr, r2)
-    assert mgr.get_block_ids("2") == [0, 2]  # hit on block 0 only
+    assert mgr.get_block_ids("2") == (0, 2)  # hit on block 0 only
     for req in (r1, r2):
         for token in (6, 7):
             req.all_token_ids.append(token)
@@ -210,7 +210,7 @@ def test_free_is_idempotent_and_forgets_the_request() -> None:
     mgr.free(a)
     mgr.free(a)
     mgr.free("never-seen")
-    assert mgr.get_block_ids("a") == []
+    assert mgr.get_block_ids("a") == ()
     assert mgr.num_free_blocks == 4
     mgr.check_invariants()
 
@@ -244,6 +244,23 @@ def test_check_invariants_catches_corruption() -> None:
     mgr.block_pool.free_block_queue.remove(blocks[3])
     with pytest.raises(AssertionError, match="block 3 has ref_cnt 0 but is not free"):
         mgr.check_invariants()
+
+
+def test_check_invariants_catches_a_corrupt_block_table() -> None:
+    mgr = KVCacheManager(num_blocks=4, block_size=2)
+    admit(mgr, Req("a", [1, 2, 3]))
+    state = mgr._requests["a"]
+    table = state.block_ids
+    for corrupt, message in [
+        (table + (table[0],), "holds a block twice"),
+        (table + (9,), "not in the pool"),
+        (list(table), "not a tuple"),  # the scheduler shares it with the runner as it is
+    ]:
+        state.block_ids = corrupt
+        with pytest.raises(AssertionError, match=message):
+            mgr.check_invariants()
+    state.block_ids = table
+    mgr.check_invariants()
 
 
 def test_a_lookup_counts_once_its_allocation_succeeds() -> None:

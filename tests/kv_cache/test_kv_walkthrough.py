@@ -53,7 +53,7 @@ def test_seed_walkthrough(algo: str) -> None:
     # Time 1: req 0, prompt A..O: blocks 0,1,2 full and cached, 3 holds 3/4.
     req0 = Req("0", toks("ABCDEFGHIJKLMNO"))
     assert admit(mgr, req0) == []
-    assert mgr.get_block_ids("0") == [0, 1, 2, 3]
+    assert mgr.get_block_ids("0") == (0, 1, 2, 3)
     assert mgr.free_block_ids() == [4, 5, 6, 7, 8, 9]
     assert mgr.cached_block_ids() == {0, 1, 2}
     assert stored() == [0, 1, 2]
@@ -63,7 +63,7 @@ def test_seed_walkthrough(algo: str) -> None:
     assert decode(mgr, req0, "P") == []
     assert mgr.cached_block_ids() == {0, 1, 2, 3}
     assert decode(mgr, req0, "Q") == [4]
-    assert mgr.get_block_ids("0") == [0, 1, 2, 3, 4]
+    assert mgr.get_block_ids("0") == (0, 1, 2, 3, 4)
     assert mgr.free_block_ids() == [5, 6, 7, 8, 9]
     assert mgr.cached_block_ids() == {0, 1, 2, 3}
     mgr.check_invariants()
@@ -71,7 +71,7 @@ def test_seed_walkthrough(algo: str) -> None:
     # Time 4: req 1 shares A..J: hits on 0,1 only (block 2 matches 2/4).
     req1 = Req("1", toks("ABCDEFGHIJwxyz"))
     assert admit(mgr, req1) == [0, 1]
-    assert mgr.get_block_ids("1") == [0, 1, 5, 6]
+    assert mgr.get_block_ids("1") == (0, 1, 5, 6)
     assert mgr.free_block_ids() == [7, 8, 9]
     assert mgr.cached_block_ids() == {0, 1, 2, 3, 5}
     assert (mgr.stats.queries, mgr.stats.hits) == (15 + 14, 8)
@@ -80,7 +80,7 @@ def test_seed_walkthrough(algo: str) -> None:
     # Time 5: req 0 finishes: 4,3,2 to the tail in reverse; 0,1 still used.
     mgr.free(req0)
     assert mgr.free_block_ids() == [7, 8, 9, 4, 3, 2]
-    assert mgr.get_block_ids("0") == []
+    assert mgr.get_block_ids("0") == ()
     mgr.check_invariants()
 
     # Time 6: req 1 finishes.
@@ -96,7 +96,7 @@ def test_seed_walkthrough(algo: str) -> None:
     req2 = Req("2", toks("ABCDEFGHIJKL") + toks("abcdefghijklmnopq"))
     assert len(req2.all_token_ids) == 29
     assert admit(mgr, req2) == [0, 1, 2]
-    assert mgr.get_block_ids("2") == [0, 1, 2, 7, 8, 9, 4, 3]
+    assert mgr.get_block_ids("2") == (0, 1, 2, 7, 8, 9, 4, 3)
     assert mgr.free_block_ids() == [6, 5]
     assert removed() == [3]
     assert mgr.cached_block_ids() == {0, 1, 2, 5, 7, 8, 9, 4}

@@ -172,7 +172,7 @@ def test_a_shared_prefix_is_served_from_the_cache():
     out = h.step()
     [item] = [s for s in out.scheduled if s.request_id == "b"]
     assert (item.num_computed_tokens, len(item.token_ids)) == (12, 6)
-    assert list(item.block_ids[:3]) == h.mgr.get_block_ids("a")[:3]
+    assert item.block_ids[:3] == h.mgr.get_block_ids("a")[:3]
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 12
     assert h.mgr.stats.hits == 12
     # Another tenant's salt makes the same prompt miss.

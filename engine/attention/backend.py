@@ -1,0 +1,44 @@
+"""The interface every attention backend implements: plan once per step, attend per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention for the layers of one model (its query and KV head counts).
+
+    The model runner calls `prepare(meta)` once per step, before the first layer: it
+    does all of the step's host-side planning (grouping, index and mask tensors).
+    Each layer then calls the backend, which does only tensor work on what `prepare`
+    made, the same for every layer: a per-layer call free of host-side planning is
+    what lets the layer forward be compiled.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional)
+        """Plan the step ``meta`` describes (nothing to plan by default)."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the step's queries ``[T, h, d]`` over the paged cache -> ``[T, h, d]``.
+
+        The step's new K/V are already written (`write_kv`); ``meta`` is the one last
+        given to `prepare`.
+        """

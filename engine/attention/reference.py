@@ -1,0 +1,54 @@
+"""The reference backend: plain per-request attention in float32, the tests' oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache import gather_request_kv
+from engine.attention.metadata import AttentionMetadata
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Per request: gather its keys, ``softmax(q k^T * scale + causal mask) v`` in float32."""
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for r in range(meta.num_reqs):
+        start, end = meta.query_start_loc_list[r], meta.query_start_loc_list[r + 1]
+        q_len, seq_len = end - start, meta.seq_lens_list[r]
+        keys = gather_request_kv(k_cache, meta.block_tables[r], seq_len).float()
+        values = gather_request_kv(v_cache, meta.block_tables[r], seq_len).float()
+        # Query head h reads KV head h // group.
+        keys = keys.repeat_interleave(group, dim=1)  # [S, h, d]
+        values = values.repeat_interleave(group, dim=1)
+        qr = q[start:end].float()  # [L, h, d]
+        scores = torch.einsum("lhd,shd->hls", qr, keys) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [L, S]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
+    return out
+
+
+class ReferenceBackend(AttentionBackend):
+    """`reference_paged_attention` as a backend: slow and obvious, nothing to plan."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
