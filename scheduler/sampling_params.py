@@ -6,6 +6,7 @@ detokenizer read the rest. `engine` re-exports it as `engine.SamplingParams`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,6 +33,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    # The sampler divides or multiplies float32 logits by the penalty: far outside this
+    # range a logit overflows to inf (1e-300 is 0 in float32) and sampling returns garbage,
+    # while within it 0.01 and 100 already all but force or forbid a repeat.
+    REPETITION_PENALTY_RANGE: ClassVar[tuple[float, float]] = (0.01, 100.0)
+    _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -47,6 +57,10 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise ValueError naming the offending field; the server turns it into a 400."""
+        for name in self._FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        low, high = self.REPETITION_PENALTY_RANGE
         checks = [
             (self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}"),
@@ -64,9 +78,9 @@ class SamplingParams:
                 f"must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
-                self.repetition_penalty > 0.0,
+                low <= self.repetition_penalty <= high,
                 "repetition_penalty",
-                f"must be > 0, got {self.repetition_penalty}",
+                f"must be in [{low}, {high}], got {self.repetition_penalty}",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -78,7 +92,7 @@ class SamplingParams:
                 "min_tokens",
                 f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
             ),
-            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (all(s for s in self.stop), "stop", "strings must be non-empty"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, Request
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
@@ -23,18 +25,24 @@ from server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
 )
+from server.openapi import SSE, install_openapi, responses
 from server.protocol import (
+    LIMIT_KEY,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
     plain_message,
+    reject_unencodable_text,
 )
-from server.serving import ServingContext, warn_unknown_fields
+from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
 from server.tokens import apply_chat_template
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -46,19 +54,24 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
     `served_model_name` defaults to the engine's model name; `api_key` guards every
     route but /health and /metrics; `max_waiting_requests` turns requests away with
-    503 + Retry-After while that many engine requests wait to be scheduled.
+    503 + Retry-After while that many engine requests wait to be scheduled;
+    `max_seqs_per_request` caps prompts x n of one request (400 beyond it).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     ctx = ServingContext(
         engine=engine_client,
         served_model_name=served_model_name or engine_client.model_name,
         max_waiting_requests=max_waiting_requests,
+        max_seqs_per_request=max_seqs_per_request,
     )
 
     @asynccontextmanager
@@ -69,9 +82,12 @@ def build_app(
         finally:
             await asyncio.to_thread(engine_client.shutdown)
 
-    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app = FastAPI(
+        title="pagedserve", lifespan=lifespan, dependencies=[Depends(_reject_unencodable_text)]
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app, ctx)
     _add_openai_routes(app, ctx)
     _add_server_routes(app, ctx)
     # The last added middleware runs first: refuse a bad key before reading any body.
@@ -81,27 +97,57 @@ def build_app(
     return app
 
 
+async def _reject_unencodable_text(request: Request) -> None:
+    """Every route's first check: no string in a JSON body holds a lone surrogate."""
+    if not await request.body():
+        return
+    try:
+        body = await request.json()  # parsed once: FastAPI reads the same cached body
+    except ValueError:
+        return  # not JSON: the body's validation says so
+    reject_unencodable_text(body)
+
+
+_GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+
+
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses=responses(CompletionResponse, *_GENERATION_ERRORS, ok_content=SSE),
+    )
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         return await create_completion(ctx, body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=responses(ChatCompletionResponse, *_GENERATION_ERRORS, ok_content=SSE),
+    )
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(ctx, body, raw_request)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=ctx.served_model_name,
             root=ctx.engine.model_name,
             max_model_len=ctx.engine.max_model_len,
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models", responses=responses(ModelList, 401))
+    async def models() -> Response:
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    # `:path`: a served name may hold a slash ("org/model"), as Hugging Face ids do.
+    @app.get("/v1/models/{model:path}", responses=responses(ModelCard, 401, 404))
+    async def model(
+        model: Annotated[str, PathParam(json_schema_extra={LIMIT_KEY: "model_id"})],
+    ) -> Response:
+        ctx.check_model(model)
+        return JSONResponse(model_card().model_dump())
 
 
 def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         if not ctx.engine.is_alive:
             return engine_dead(ctx.engine.dead_reason or "not started").response()
@@ -109,12 +155,12 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
             return shutting_down().response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
     async def metrics() -> Response:
         body, content_type = ctx.engine.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         body.check()
@@ -137,7 +183,7 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
         )  # fmt: skip
         return JSONResponse(out.model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
         vocab_size = ctx.engine.vocab_size
@@ -149,17 +195,10 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
         text = ctx.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=responses(ResetPrefixCacheResponse, 401, 503))
     async def reset_prefix_cache() -> Response:
         try:
             ok = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
         except EngineDeadError as exc:
             raise engine_dead(str(exc)) from exc
-        return JSONResponse({"success": bool(ok)})
-
-
-def _message(i: int, message) -> dict[str, str]:
-    # The chat endpoint's message rules (roles, text-only parts) apply to /tokenize too.
-    from server.protocol import _plain_message
-
-    return _plain_message(i, message)
+        return JSONResponse(ResetPrefixCacheResponse(success=bool(ok)).model_dump())

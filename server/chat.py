@@ -44,7 +44,7 @@ from server.tokens import TokenStrings, apply_chat_template, encode_chat
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request
 ) -> Response:
-    check_request(ctx, req, "/v1/chat/completions")
+    check_request(ctx, req, "/v1/chat/completions", num_prompts=1)
     text = apply_chat_template(
         ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False
     )

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger("pagedserve")
@@ -154,6 +155,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
     g.add_argument("--max-request-body-bytes", type=parse_size,
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES)  # fmt: skip
+    g.add_argument("--max-seqs-per-request", type=_positive_int,
+                   default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                   help="answer 400 to a request for more sequences (prompts x n) than this "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
                    "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
@@ -181,6 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_seqs_per_request=args.max_seqs_per_request,
     )
     print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
     config = uvicorn.Config(

@@ -38,9 +38,9 @@ from server.tokens import TokenStrings, encode_prompt
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, raw_request: Request
 ) -> Response:
-    check_request(ctx, req, "/v1/completions")
-    vocab_size = ctx.engine.vocab_size
     prompts = req.prompt_list()
+    check_request(ctx, req, "/v1/completions", len(prompts))
+    vocab_size = ctx.engine.vocab_size
     prompt_ids = [encode_prompt(ctx.tokenizer, p, vocab_size, "prompt") for p in prompts]
     echo = (
         [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]

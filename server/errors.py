@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,21 @@ class OpenAIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n"
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (its schema in /openapi.json)."""
+
+    error: ErrorDetail
+
+
 def error_body(
-    message: str, type: str, param: str | None = None, code: str | int | None = None
+    message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -175,25 +189,29 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param)
-    union_members = _union_members(errors, param)
-    if union_members:
+    same_field = [e for e in errors if _validation_param(tuple(e.get("loc", ()))) == param]
+    # A union field has one error per member. A member whose type the value has says what
+    # is wrong with it (prompt "" is a string, too short); else list the types it may take.
+    value_errors = [e for e in same_field if not str(e.get("type", "")).endswith("_type")]
+    union_members = _union_members(same_field)
+    if union_members and not value_errors:
         message = f"Invalid value for '{param}': expected one of {', '.join(union_members)}."
     else:
-        detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        chosen = (value_errors or [first])[0]
+        detail = str(chosen.get("msg", "invalid value")).removeprefix("Value error, ")
         message = f"Invalid value for '{param}': {detail}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem(s))"
+    if len(errors) > len(same_field):
+        message += f" (and {len(errors) - len(same_field)} more problem(s))"
     return bad_request(message, param=param)
 
 
-def _union_members(errors: list[dict[str, Any]], param: str) -> list[str]:
+def _union_members(errors: list[dict[str, Any]]) -> list[str]:
     """The member types of a union field none of which matched, e.g. prompt's four forms."""
     members: list[str] = []
     for error in errors:
-        loc = tuple(error.get("loc", ()))
-        if _validation_param(loc) != param:
-            continue
-        tag = next((str(p) for p in loc if _is_type_tag(p)), None)
+        tag = next((str(p) for p in error.get("loc", ()) if _is_type_tag(p)), None)
+        # "constrained-str" is pydantic's tag for a str with limits: the client sent a type.
+        tag = tag.replace("constrained-", "") if tag is not None else None
         if tag is not None and tag not in members:
             members.append(tag)
     return members if len(members) > 1 else []

@@ -12,10 +12,11 @@ Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from engine import SamplingParams, fits_context
 from server.errors import bad_request
@@ -65,17 +66,135 @@ UNSUPPORTED_CHAT = (
 )
 
 
+# ------------------------------------------------------------------- request schemas
+#
+# The request models are the request schemas of /openapi.json, so every rule that can be
+# said in JSON Schema is said here: single-field bounds as pydantic constraints, rules
+# between fields as `json_schema_extra`. Limits only the running server knows (vocabulary,
+# context, served model name) are marked with LIMIT_KEY and filled in by server/openapi.py.
+
+LIMIT_KEY = "x-pagedserve-limit"
+
+
+def _limit(name: str) -> dict[str, Any]:
+    return {LIMIT_KEY: name}
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=_limit("token_id"))]
+# A token id as a JSON object key (logit_bias): plain decimal digits, optionally signed.
+TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+TokenIdKey = Annotated[str, Field(json_schema_extra=_limit("token_id_key"))]
+LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("prompt_tokens"))]
+
+# What `reject_unsupported` lets through: the empty values.
+_UNSET_SCHEMA: dict[str, Any] = {
+    "description": "Not supported by this server: only an empty value is accepted.",
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"const": ""},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+    ],
+}
+
+
+def _only_with(field: str, schema: dict[str, Any], needs: str, value: Any) -> dict[str, Any]:
+    """JSON Schema for "`field`, when it matches `schema`, needs `needs` == `value`"."""
+    return {
+        "if": {"required": [field], "properties": {field: schema}},
+        "then": {"required": [needs], "properties": {needs: {"const": value}}},
+    }
+
+
+def _request_schema(
+    unsupported: tuple[str, ...] = (), rules: tuple[dict[str, Any], ...] = ()
+) -> Any:
+    """A model's json_schema_extra: its unsupported fields and its rules between fields."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema.setdefault("properties", {}).update(dict.fromkeys(unsupported, _UNSET_SCHEMA))
+        if rules:
+            schema["allOf"] = list(rules)
+
+    return extra
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (and reported by unknown_fields), not rejected. NaN and
     # infinity (Python's json parses them) are refused: no sampling option means them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict: JSON types only, as OpenAI does; "yes" is not true and "5" is not 5.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers_are_integers(cls, data: Any) -> Any:
+        # JSON has one number type, and JSON Schema counts 5.0 as an integer; Python's json
+        # reads it as a float, which strict validation would refuse for an integer field.
+        return _integral_floats_as_ints(data)
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    return value
+
 
 def _is_unset(value: Any) -> bool:
     return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def first_unencodable_text(value: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The path of the first string in a parsed JSON body that UTF-8 cannot encode.
+
+    JSON may escape lone surrogates ("\\ud800"); no tokenizer, log or response can
+    carry them. A bad object key is reported at its object's path.
+    """
+    if isinstance(value, str):
+        return None if _is_utf8(value) else path
+    if isinstance(value, dict):
+        if not all(_is_utf8(key) for key in value):
+            return path
+        items: Any = ((str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = first_unencodable_text(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def reject_unencodable_text(body: Any) -> None:
+    """400 naming the field whose text holds a lone surrogate, before anything reads it."""
+    path = first_unencodable_text(body)
+    if path is None:
+        return
+    field = ".".join(path) or None
+    raise bad_request(
+        f"Invalid value for '{field or 'body'}': text must be valid Unicode; it contains a "
+        "lone surrogate (such as \\ud800) that cannot be encoded as UTF-8.",
+        param=field,
+    )
 
 
 def reject_unsupported(req: OpenAIBaseModel, names: tuple[str, ...]) -> None:
@@ -90,31 +209,37 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
+_STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"type": "object"}, "stream", True)
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    n: int | None = Field(default=1, ge=1, le=MAX_N, json_schema_extra=_limit("n"))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     # vLLM extras
-    top_k: int | None = Field(default=None, le=MAX_TOP_K)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(
+        default=None, ge=_MIN_REPETITION_PENALTY, le=_MAX_REPETITION_PENALTY
+    )
+    min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
-    cache_salt: str | None = None
+    cache_salt: NonEmptyStr | None = None
 
     @property
     def num_choices(self) -> int:
@@ -124,16 +249,24 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check_common(self, vocab_size: int) -> None:
-        """Checks SamplingParams.verify does not make: token ids the model can index."""
+    def check_common(self, vocab_size: int, max_model_len: int) -> None:
+        """Checks SamplingParams.verify does not make: token ids the model can index, and
+        token budgets the context can hold next to a prompt of at least one token."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("`stream_options` is only allowed with `stream: true`.",
                               param="stream_options")  # fmt: skip
-        if self.cache_salt is not None and self.cache_salt == "":
-            raise bad_request("`cache_salt` must be a non-empty string.", param="cache_salt")
         for token in self.stop_token_ids or []:
             _check_token_id(token, vocab_size, "stop_token_ids")
         _parse_logit_bias(self.logit_bias, vocab_size)
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            if value is not None and not fits_context(1, value, max_model_len):
+                raise bad_request(
+                    f"`{name}` is {value}, but this model's context of {max_model_len} tokens "
+                    f"leaves at most {max_model_len - 1} beside the prompt.",
+                    param=name,
+                    code="context_length_exceeded",
+                )
 
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
@@ -187,16 +320,11 @@ def _check_token_id(token: int, vocab_size: int, param: str) -> None:
 def _parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     parsed: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id.", "logit_bias") from None
+        # Not int(key): it also reads "1_0" as 10, " 7 " as 7 and Arabic-Indic digits.
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias key {key!r} is not a token id.", "logit_bias")
+        token = int(key)
         _check_token_id(token, vocab_size, "logit_bias")
-        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            raise bad_request(
-                f"logit_bias value {value} for token {token} is outside [-100, 100].",
-                param="logit_bias",
-            )
         parsed[token] = value
     return parsed
 
@@ -218,15 +346,31 @@ def check_context_length(
 
 # --------------------------------------------------------------------------- completions
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# A prompt must give the model at least one token; a prompt list at most one prompt per
+# sequence a request may ask for.
+PromptInput = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1, json_schema_extra=_limit("prompts"))]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=_limit("prompts"))]
+)
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra=_limit("max_tokens"))]
 
 
 class CompletionRequest(SamplingFields):
+    """A completions request. Rules beyond this schema (400 when broken): prompts x n at most
+    --max-seqs-per-request; min_tokens <= max_tokens; best_of, when set, equals n; every
+    prompt's tokens plus max_tokens fit the model's context (max_model_len)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_request_schema(UNSUPPORTED_COMPLETION, (_STREAM_OPTIONS_NEED_STREAM,))
+    )
+
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     def check_supported(self) -> None:
         reject_unsupported(self, UNSUPPORTED_COMPLETION)
@@ -236,17 +380,13 @@ class CompletionRequest(SamplingFields):
             )
 
     def prompt_list(self) -> list[str | list[int]]:
-        """The prompts as a list of strings and token-id lists; 400 when there are none."""
+        """The prompts as a list of strings and token-id lists (validation saw to >= 1)."""
         p = self.prompt
         if isinstance(p, str):
-            prompts: list[str | list[int]] = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            prompts = [list(p)]  # type: ignore[arg-type]
-        else:
-            prompts = list(p)  # type: ignore[arg-type]
-        if not prompts:
-            raise bad_request("prompt must not be empty.", param="prompt")
-        return prompts
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class CompletionLogProbs(BaseModel):
@@ -295,35 +435,67 @@ class CompletionResponse(BaseModel):
 # -------------------------------------------------------------------------------- chat
 
 
+_UNSUPPORTED_MESSAGE_FIELDS = ("tool_calls", "function_call", "audio")
+# Parts are checked by `_text_part` (its 400 names the part); the schema says the same.
+TextPart = Annotated[
+    dict[str, Any],
+    WithJsonSchema({
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }),
+]  # fmt: skip
+_CONTENT_NULL_ONLY_FOR_ASSISTANT = {
+    "anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
+    ]
+}
+
+
 class ChatMessageParam(OpenAIBaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(
+        json_schema_extra=_request_schema(
+            _UNSUPPORTED_MESSAGE_FIELDS, (_CONTENT_NULL_ONLY_FOR_ASSISTANT,)
+        )
+    )
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text"] = "text"  # json_object and json_schema need structured output
+
+
 class ChatCompletionRequest(SamplingFields):
+    """A chat completions request. Rules beyond this schema (400 when broken): n at most
+    --max-seqs-per-request; min_tokens <= max_completion_tokens (else max_tokens); the
+    rendered messages' tokens plus that budget fit the model's context (max_model_len)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_request_schema(
+            UNSUPPORTED_CHAT,
+            (
+                _STREAM_OPTIONS_NEED_STREAM,
+                _only_with("top_logprobs", {"type": "integer"}, "logprobs", True),
+            ),
+        )
+    )
+
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # no tools, so nothing to require
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
     add_generation_prompt: bool | None = True
 
     def check_supported(self) -> None:
         reject_unsupported(self, UNSUPPORTED_CHAT)
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("`tool_choice` is not supported (no tools).", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(
-                f"response_format type {self.response_format.get('type')!r} is not supported; "
-                "only 'text'.",
-                param="response_format",
-            )
-        if self.modalities and set(self.modalities) != {"text"}:
-            raise bad_request("Only the 'text' modality is supported.", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs: true`.", param="top_logprobs")
 
@@ -343,14 +515,9 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 def plain_message(i: int, m: ChatMessageParam) -> dict[str, str]:
     param = f"messages.{i}"
-    role = _ROLES.get(m.role)
-    if role is None:
-        raise bad_request(
-            f"role {m.role!r} is not supported; use system, developer, user or assistant.",
-            param=f"{param}.role",
-        )
+    role = _ROLES[m.role]
     for key in m.unknown_fields():
-        if key in ("tool_calls", "function_call", "audio") and not _is_unset(m.model_extra[key]):
+        if key in _UNSUPPORTED_MESSAGE_FIELDS and not _is_unset(m.model_extra[key]):
             raise bad_request(f"`{key}` in messages is not supported.", param=f"{param}.{key}")
     if m.content is None:
         if role != "assistant":
@@ -446,9 +613,18 @@ class ModelList(BaseModel):
 class TokenizeRequest(OpenAIBaseModel):
     """vLLM's /tokenize: either `prompt` (completions) or `messages` (chat)."""
 
-    model: str | None = None
+    model_config = ConfigDict(
+        json_schema_extra=_request_schema(rules=({
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },))
+    )  # fmt: skip
+
+    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
+    messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
@@ -466,9 +642,13 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    success: bool

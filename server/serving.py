@@ -31,6 +31,7 @@ from server.async_engine import (
 )
 from server.errors import (
     OpenAIError,
+    bad_request,
     engine_dead,
     engine_failed,
     from_value_error,
@@ -44,6 +45,9 @@ from server.tokens import TokenStrings
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
+# Sequences (prompts x n) one request may ask for: 1000 prompts x n=128 in an 8 KB body
+# would otherwise queue 128,000 sequences and stall the server building them.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
 
 
 @dataclass
@@ -51,6 +55,7 @@ class ServingContext:
     engine: AsyncEngine
     served_model_name: str
     max_waiting_requests: int | None = None
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     token_strings: TokenStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,12 +84,26 @@ def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
         logger.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
 
 
-def check_request(ctx: ServingContext, req: Any, endpoint: str) -> None:
+def check_request(ctx: ServingContext, req: Any, endpoint: str, num_prompts: int) -> None:
     """What every generation request is checked for before its prompt is read."""
     ctx.check_model(req.model)
+    check_fan_out(ctx, num_prompts, req.num_choices)
     req.check_supported()
     warn_unknown_fields(req, endpoint)
-    req.check_common(ctx.engine.vocab_size)
+    req.check_common(ctx.engine.vocab_size, ctx.engine.max_model_len)
+
+
+def check_fan_out(ctx: ServingContext, num_prompts: int, n: int) -> None:
+    """400 for a request of more sequences (prompts x n) than --max-seqs-per-request."""
+    limit = ctx.max_seqs_per_request
+    if num_prompts * n > limit:
+        raise bad_request(
+            f"This request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x "
+            f"n={n}); the server allows at most {limit} per request "
+            "(--max-seqs-per-request). Send fewer prompts or a smaller n.",
+            param="n" if n > 1 else "prompt",
+            code="too_many_sequences",
+        )
 
 
 def choice_index(request_id: str) -> int:

@@ -80,7 +80,10 @@ class RunningServer:
 
 class _UvicornThread:
     def __init__(self, app: Any) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP as uvicorn's own socket has it: asyncio sets TCP_NODELAY only on sockets
+        # whose proto says TCP, and without it every response with a body waited ~40 ms
+        # (Nagle's algorithm against the client's delayed ACK).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.engine.tiny_models import VOCAB_SIZE as VOCAB
-from tests.server.conftest import TINY_MAX_MODEL_LEN, assert_openai_error
+from tests.server.conftest import (
+    TINY_MAX_MODEL_LEN,
+    assert_openai_error,
+    make_engine,
+    running_server,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,7 +38,20 @@ from tests.server.conftest import TINY_MAX_MODEL_LEN, assert_openai_error
         ({"stop": ["", "x"]}, "stop"),
         ({"stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias.5"),
+        ({"logit_bias": {"1_0": 1}}, "logit_bias"),  # int() would read token 10
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"ignore_eos": "true"}, "ignore_eos"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        ({"max_tokens": TINY_MAX_MODEL_LEN}, "max_tokens"),
         ({"seed": 2**70}, "seed"),
         ({"top_k": 2**40}, "top_k"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -60,14 +80,39 @@ def test_prompt_alone_filling_the_context_is_400_for_chat_default_max_tokens(ser
     assert_openai_error(response, 400, "messages")
 
 
-def test_nan_and_infinity_are_400(server):
-    for value in (b"NaN", b"Infinity"):
+@pytest.mark.parametrize(
+    "field",
+    ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"],
+)
+def test_nan_and_infinity_are_400(server, field):
+    for value in (b"NaN", b"Infinity", b"-Infinity"):
         response = server.http().post(
             "/v1/completions",
-            content=b'{"prompt": "hi", "temperature": ' + value + b"}",
+            content=b'{"prompt": "hi", "' + field.encode() + b'": ' + value + b"}",
             headers={"content-type": "application/json"},
         )
-        assert_openai_error(response, 400, "temperature")
+        assert_openai_error(response, 400, field)
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_extreme_accepted_repetition_penalties_generate_tokens(server, penalty):
+    # Sampled (not greedy) so the penalised logits go through softmax: no NaN, no garbage.
+    response = server.http().post(
+        "/v1/completions",
+        json={"prompt": [5, 6, 5, 6, 5], "max_tokens": 8, "temperature": 1.0, "seed": 3,
+              "ignore_eos": True, "repetition_penalty": penalty, "logprobs": 1},
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == 8
+    logprobs = body["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(logprobs) == 8 and all(-9999.0 <= lp <= 0.0 for lp in logprobs)
+
+
+def test_empty_stop_string_error_names_stop_once(server):
+    response = server.http().post("/v1/completions", json={"prompt": "hi", "stop": [""]})
+    error = assert_openai_error(response, 400, "stop")
+    assert "stop stop" not in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -80,13 +125,20 @@ def test_nan_and_infinity_are_400(server):
          "messages.0.content.0"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.type"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"max_completion_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": -5}, "max_completion_tokens"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
         ({"temperature": -0.5}, "temperature"),
-        ({"max_tokens": 5000}, "messages"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_tokens": 1000}, "messages"),  # fits alone, not beside the prompt
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),
     ],
 )  # fmt: skip
 def test_invalid_chat_values_are_400(server, body, param):
@@ -146,3 +198,62 @@ def test_unknown_fields_are_ignored(server):
 def test_server_is_healthy_and_clean_after_bad_inputs(server):
     assert server.http().get("/health").status_code == 200
     assert server.all_blocks_free()
+
+
+def test_fan_out_beyond_the_limit_is_refused_before_any_tokenization(server, monkeypatch):
+    def encode(*_: object, **__: object) -> list[int]:
+        raise AssertionError("tokenized a request over --max-seqs-per-request")
+
+    monkeypatch.setattr(server.engine.tokenizer, "encode", encode)
+    started = time.monotonic()
+    # ~8 KB asking for 128,000 sequences: once ~7 s of building them, now refused at once.
+    response = server.http().post(
+        "/v1/completions", json={"prompt": ["a b c"] * 1000, "n": 128, "max_tokens": 1}
+    )
+    error = assert_openai_error(response, 400, "n")
+    assert error["code"] == "too_many_sequences"
+    assert "128000" in error["message"] and "256" in error["message"]
+    assert "--max-seqs-per-request" in error["message"]
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    ("prompts", "n", "param"), [(257, 1, "prompt"), (3, 128, "n"), (129, 2, "n")]
+)
+def test_just_over_the_default_limit_of_256_sequences_is_400(server, prompts, n, param):
+    body = {"prompt": [[7, 8]] * prompts, "n": n, "max_tokens": 1}
+    error = assert_openai_error(server.http().post("/v1/completions", json=body), 400, param)
+    assert f"{prompts * n} sequences" in error["message"] and "256" in error["message"]
+
+
+def test_exactly_the_default_limit_of_256_sequences_is_served(server):
+    body = {"prompt": ["a b", "c d"], "n": 128, "max_tokens": 1, "temperature": 1.0, "seed": 1}
+    response = server.http().post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(256))
+    assert server.all_blocks_free()
+
+
+def test_a_lower_max_seqs_per_request_caps_chat_n_too(tiny_model_dir):
+    with running_server(make_engine(tiny_model_dir), max_seqs_per_request=4) as small:
+        http = small.http()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert_openai_error(http.post("/v1/chat/completions", json={**chat, "n": 5}), 400, "n")
+        assert http.post("/v1/chat/completions", json={**chat, "n": 4}).status_code == 200
+        over = {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 1}
+        assert_openai_error(http.post("/v1/completions", json=over), 400, "prompt")
+        request = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+        assert request["properties"]["n"]["maximum"] == 4
+        assert {m.get("maxItems") for m in request["properties"]["prompt"]["anyOf"]} == {
+            None,
+            4,
+            1023,
+        }
+
+
+def test_max_seqs_per_request_must_be_positive(server):
+    from server.app import build_app
+
+    with pytest.raises(ValueError, match="max_seqs_per_request"):
+        build_app(server.client, max_seqs_per_request=0)

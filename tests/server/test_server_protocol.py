@@ -17,6 +17,7 @@ from server.protocol import (
 )
 
 VOCAB = 1000
+MAX_MODEL_LEN = 512
 
 
 def completion(**fields) -> CompletionRequest:
@@ -48,8 +49,12 @@ def test_prompt_forms(prompt, expected):
     assert completion(prompt=prompt).prompt_list() == expected
 
 
-def test_empty_prompt_list_is_400():
-    raises_400(lambda: completion(prompt=[]).prompt_list(), "prompt")
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""], [-1], [[1], []]])
+def test_prompts_without_a_token_fail_validation(prompt):
+    # Said by the model (so /openapi.json says it too), not found later by the tokenizer.
+    with pytest.raises(ValidationError) as info:
+        completion(prompt=prompt)
+    assert {e["loc"][0] for e in info.value.errors()} == {"prompt"}
 
 
 def test_mixed_prompt_list_is_a_validation_error():
@@ -97,14 +102,65 @@ def test_temperature_zero_is_greedy_and_tiny_temperature_too():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
         ({"stop": [""]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
-def test_invalid_sampling_values_name_their_field(fields, param):
-    req = completion(**fields)
-    with pytest.raises(ValueError) as info:
-        req.to_sampling_params(4, None, 0, VOCAB)
-    assert from_value_error(info.value).param == param
+def test_out_of_range_sampling_values_fail_validation_naming_their_field(fields, param):
+    with pytest.raises(ValidationError) as info:
+        completion(**fields)
+    assert info.value.errors()[0]["loc"][0] == param
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": 0}, {"top_p": 1}, {"repetition_penalty": 0.01},
+     {"repetition_penalty": 100}, {"presence_penalty": -2}, {"top_k": -1}],
+)  # fmt: skip
+def test_sampling_values_at_their_bounds_pass(fields):
+    completion(**fields).to_sampling_params(4, None, 0, VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("stream", "yes"), ("stream", 1), ("echo", "true"), ("ignore_eos", 0),
+     ("include_stop_str_in_output", "false"), ("skip_special_tokens", "no")],
+)  # fmt: skip
+def test_booleans_are_strict(field, value):
+    with pytest.raises(ValidationError) as info:
+        completion(**{field: value})
+    assert info.value.errors()[0]["loc"] == (field,)
+
+
+def test_chat_and_nested_booleans_are_strict():
+    for make, fields in [
+        (chat, {"logprobs": "yes"}),
+        (chat, {"add_generation_prompt": 1}),
+        (completion, {"stream": True, "stream_options": {"include_usage": "yes"}}),
+    ]:
+        with pytest.raises(ValidationError):
+            make(**fields)
+
+
+def test_integral_json_numbers_are_integers_but_strings_are_not():
+    # JSON Schema calls 2.0 an integer; Python's json reads it as a float.
+    req = completion(n=2.0, max_tokens=5.0, prompt=[1.0, 2.0], seed=7.0)
+    assert (req.n, req.max_tokens, req.prompt, req.seed) == (2, 5, [1, 2], 7)
+    assert isinstance(req.n, int)
+    for fields in ({"n": 2.5}, {"n": "2"}, {"max_tokens": True}, {"prompt": [1.5]}):
+        with pytest.raises(ValidationError):
+            completion(**fields)
 
 
 def test_max_tokens_below_one_names_max_tokens():
@@ -118,14 +174,33 @@ def test_max_tokens_below_one_names_max_tokens():
     [
         ({"logit_bias": {"5000": 1.0}}, "logit_bias"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
-        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        # int() reads all of these as token ids; none is plain decimal digits.
+        ({"logit_bias": {"1_0": 1.0}}, "logit_bias"),
+        ({"logit_bias": {" 7": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"+7": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"\u0663": 1.0}}, "logit_bias"),  # ARABIC-INDIC DIGIT THREE
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
         ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
-        ({"cache_salt": ""}, "cache_salt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ],
 )
 def test_common_checks(fields, param):
-    raises_400(lambda: completion(**fields).check_common(VOCAB), param)
+    raises_400(lambda: completion(**fields).check_common(VOCAB, MAX_MODEL_LEN), param)
+
+
+def test_logit_bias_keys_are_plain_decimal_token_ids():
+    req = completion(logit_bias={"10": 1.0, "007": -1.0, "0": 2.0})
+    req.check_common(VOCAB, MAX_MODEL_LEN)
+    assert req.to_sampling_params(4, None, 0, VOCAB).logit_bias == {10: 1.0, 7: -1.0, 0: 2.0}
+
+
+def test_chat_max_completion_tokens_is_named_in_its_errors():
+    with pytest.raises(ValidationError) as info:
+        chat(max_completion_tokens=-5)
+    assert info.value.errors()[0]["loc"] == ("max_completion_tokens",)
+    too_long = chat(max_completion_tokens=MAX_MODEL_LEN)
+    raises_400(lambda: too_long.check_common(VOCAB, MAX_MODEL_LEN), "max_completion_tokens")
 
 
 @pytest.mark.parametrize(
@@ -156,15 +231,29 @@ def test_unknown_fields_are_reported_not_rejected():
     ("fields", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"modalities": ["text", "audio"]}, "modalities"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_unsupported_chat_fields_are_400(fields, param):
     raises_400(lambda: chat(**fields).check_supported(), param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "loc"),
+    [
+        ({"tool_choice": "required"}, ("tool_choice",)),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}},
+         ("response_format", "type")),
+        ({"modalities": ["text", "audio"]}, ("modalities", 1)),
+        ({"messages": [{"role": "tool", "content": "x"}]}, ("messages", 0, "role")),
+        ({"messages": [{"role": "", "content": "x"}]}, ("messages", 0, "role")),
+    ],
+)  # fmt: skip
+def test_chat_values_this_server_cannot_honour_fail_validation(fields, loc):
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    assert info.value.errors()[0]["loc"] == loc
 
 
 def test_chat_text_response_format_and_tool_choice_none_pass():
@@ -192,7 +281,6 @@ def test_chat_conversation_normalises_roles_and_parts():
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages.0.role"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
          "messages.0.content.0"),
         ({"role": "user", "content": None}, "messages.0.content"),
@@ -286,3 +374,26 @@ def test_cli_defaults_leave_engine_config_defaults():
 def test_cli_kv_memory_and_num_blocks_are_exclusive():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-blocks", "4", "--kv-cache-memory", "1GiB"])
+
+
+def test_cli_max_seqs_per_request():
+    assert build_parser().parse_args(["serve"]).max_seqs_per_request == 256
+    args = build_parser().parse_args(["serve", "--max-seqs-per-request", "4"])
+    assert args.max_seqs_per_request == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-seqs-per-request", "0"])
+
+
+def test_validation_error_prefers_the_member_whose_type_the_value_has():
+    def error_for(**fields):
+        try:
+            completion(**fields)
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        return validation_error(RequestValidationError(errors))
+
+    empty = error_for(prompt="")
+    assert empty.param == "prompt" and "at least 1 character" in empty.message
+    mixed = error_for(prompt=[1, "a"])
+    assert mixed.param == "prompt"
+    assert "expected one of str, list[str], list[int], list[list[int]]" in mixed.message
