@@ -103,10 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output", type=Path, help="also write the records to this JSON file")
     g.add_argument("--plot", type=Path, metavar="DIR",
                    help="write PNG plots here (needs matplotlib)")  # fmt: skip
-    sub = parser.add_subparsers(dest="bench_command", metavar="{compare}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,soak}")
     compare = sub.add_parser("compare", help="start several servers and run the same "
                              "workloads against each", description=COMPARE_HELP)  # fmt: skip
     add_compare_arguments(compare)
+    soak = sub.add_parser("soak", help="start a server, send a long mixed and partly "
+                          "malformed load, check nothing is left behind", description=SOAK_HELP)  # fmt: skip
+    add_soak_arguments(soak)
 
 
 COMPARE_HELP = (
@@ -141,6 +144,87 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     add_workload_arguments(parser)
     parser.set_defaults(workload=["shared-prefix", "unique"], concurrency=[1, 8, 32])
+
+
+SOAK_HELP = (
+    "Start pagedserve on 127.0.0.1, send a long open-loop load faster than it serves "
+    "(completions and chat, streams, n > 1, shared prefixes, clients that leave early, "
+    "malformed requests), then check: no 5xx, no transport error, no request or KV block "
+    "left, no error logged, a clean exit on SIGTERM. Exit code 1 when a check fails."
+)
+MALFORMED_KIND_NAMES = (
+    "invalid-json",
+    "wrong-type",
+    "negative-max-tokens",
+    "unknown-model",
+    "lone-surrogate",
+    "huge-fan-out",
+)  # bench.soak builds one of each (named here: the parser must not import httpx)
+
+
+def malformed_kind_list(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [n for n in names if n not in MALFORMED_KIND_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown kind {', '.join(bad)}: choose from {', '.join(MALFORMED_KIND_NAMES)}"
+        )
+    return names
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server (started by the soak)")
+    g.add_argument("--model", help="HF model dir or .gguf (default: the embedded default model)")
+    g.add_argument("--max-waiting-requests", type=_positive_int, default=16,
+                   help="the server's admission limit: 503 while this many wait (default 16)")  # fmt: skip
+    g.add_argument("--max-num-seqs", type=_positive_int, default=32,
+                   help="the server's batch size (default 32: the queue, not a huge batch, "
+                   "absorbs the overload)")  # fmt: skip
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--server-args", default="",
+                   help="more `pagedserve serve` flags, e.g. \"--num-blocks 512\"")  # fmt: skip
+    g.add_argument("--server-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+    g.add_argument("--log", type=Path,
+                   help="the server's output (default: a new temporary directory)")  # fmt: skip
+    g.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for /health (the first start converts the GGUF)")  # fmt: skip
+    g.add_argument("--stop-timeout", type=float, default=60.0,
+                   help="seconds between SIGTERM and SIGKILL")  # fmt: skip
+
+    g = parser.add_argument_group("load")
+    g.add_argument("--num-requests", type=_positive_int, default=2000)
+    g.add_argument("--rate", "--request-rate", dest="rate", type=float, default=20.0,
+                   help="Poisson arrivals per second; 0 = all at once (default 20)")  # fmt: skip
+    g.add_argument("--concurrency", type=_positive_int, default=256,
+                   help="client requests in flight at most (default 256)")  # fmt: skip
+    g.add_argument("--max-tokens", type=_positive_int, default=16,
+                   help="each request asks for max_tokens/2 to max_tokens (default 16)")  # fmt: skip
+    g.add_argument("--num-prefixes", type=_positive_int, default=4)
+    g.add_argument("--prefix-words", type=int, default=200,
+                   help="words in each shared prefix (default 200)")  # fmt: skip
+    g.add_argument("--seed", type=int, default=0, help="the mix and the arrival times")
+    g.add_argument("--disconnect-fraction", type=_fraction, default=0.2,
+                   help="well-formed requests whose client leaves early (default 0.2)")  # fmt: skip
+    g.add_argument("--malformed-fraction", type=_fraction, default=0.05)
+    g.add_argument("--multi-choice-fraction", type=_fraction, default=0.1,
+                   help="requests with n of 2-4 (default 0.1)")  # fmt: skip
+    g.add_argument("--malformed-kinds", type=malformed_kind_list,
+                   default=list(MALFORMED_KIND_NAMES),
+                   help=f"comma-separated, from {', '.join(MALFORMED_KIND_NAMES)} (default all)")  # fmt: skip
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="client timeout per connect or read, seconds")  # fmt: skip
+    g.add_argument("--settle-timeout", type=float, default=60.0,
+                   help="seconds the server gets after the run to free every request and block")  # fmt: skip
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", type=Path, help="also write the summary to this JSON file")
 
 
 # --------------------------------------------------------------------------------- run
@@ -184,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.compare import run_compare
 
         return run_compare(args)
+    if args.bench_command == "soak":
+        from bench.soak import run_soak_command
+
+        return run_soak_command(args)
     return run_bench(args)
 
 

@@ -154,29 +154,39 @@ def _tail(log: Path) -> str:
         return ""
 
 
-@contextlib.contextmanager
-def started(spec: ServerSpec, log_dir: Path, timeout_s: float) -> Iterator[str]:
-    """The server's base URL while it runs; it is stopped (SIGTERM, then SIGKILL) after."""
-    port = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{spec.name}.log"
-    argv = spec.command(port)
+def launch(argv: list[str], log: Path) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr into `log` (which starts with the command line)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w", encoding="utf-8") as log_file:
         log_file.write("$ " + shlex.join(argv) + "\n")
         log_file.flush()
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, proc, timeout_s, log)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # The child keeps its own copy of the file descriptor after ours is closed.
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL after `timeout_s`; the exit code (negative: killed by a signal)."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@contextlib.contextmanager
+def started(spec: ServerSpec, log_dir: Path, timeout_s: float) -> Iterator[str]:
+    """The server's base URL while it runs; it is stopped (SIGTERM, then SIGKILL) after."""
+    port = free_port()
+    log = log_dir / f"{spec.name}.log"
+    proc = launch(spec.command(port), log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, timeout_s, log)
+        yield url
+    finally:
+        stop(proc)
 
 
 # ------------------------------------------------------------------------------- running
