@@ -38,12 +38,15 @@ CPU_DEFAULT_KV_BYTES = 2 * GiB
 CPU_KV_MAX_FRACTION = 0.4
 
 # CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
-# tiles); without them torch emulates bf16 and float32 is faster.
-# Only AMX tiles make torch's CPU bf16 matmuls faster than float32. Measured on an
-# AVX512-BF16 Xeon without AMX (torch 2.13, oneDNN 3.12): bf16 F.linear ran at 68-76
-# GFLOP/s against float32's 94-122, and the model step was no faster, so such CPUs
-# get float32 (which is also token-exact with transformers' float32 reference).
-FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16"})
+# tiles); without them torch emulates bf16 and float32 is faster. With them bf16 halves
+# the weight bytes a decode step reads. Measured on an AVX512-BF16 AMD EPYC (Zen 5, no
+# AMX; torch 2.13), engines stepping in turns (`python -m bench.dtype_step`): the default
+# model's decode step is 1.07-1.19x faster in bf16 at batch 1 and 1.73-1.84x at batch 32,
+# and perplexity on tests/data/quality_text.txt moves by +0.05% (`python -m
+# bench.quality`). An earlier AVX512-BF16 Xeon measurement found bf16 no faster, before
+# projection weights were stored [in, out]; `--dtype float32` keeps the token-exact
+# reference everywhere.
+FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @dataclass

@@ -113,7 +113,7 @@ def test_explicit_dtype_is_used_on_any_device(name, dtype):
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ({"avx512f", "avx512_bf16"}, torch.float32),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16),
         ({"avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),
         ({"avx2", "avx512f"}, torch.float32),
         (set(), torch.float32),
@@ -132,7 +132,7 @@ def _flags_from_proc_cpuinfo() -> set[str]:
 
 def test_auto_dtype_on_this_cpu_reads_the_real_flags():
     flags = _flags_from_proc_cpuinfo()
-    expected = torch.bfloat16 if flags & {"amx_bf16"} else torch.float32
+    expected = torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
     assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
 
 

@@ -1,0 +1,71 @@
+"""The quality gate's figures for each faster mode against the float32 reference.
+
+    .venv/bin/python -m bench.quality --dtypes float32,bfloat16
+
+For each dtype: perplexity of the default model on `tests/data/quality_text.txt` (and
+its change from float32), and greedy agreement with float32 on fixed chat prompts: the
+fraction of generated tokens before the first token that differs, over all prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.compare import machine_line
+
+QUALITY_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_text.txt"
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of copper.",
+    "How do plants make their food?",
+    "Give me a short tip for learning to cook.",
+    "What causes the seasons on Earth?",
+    "Translate 'good morning' into Spanish and German.",
+)
+NEW_TOKENS = 48
+
+
+def agreement_before_divergence(reference: list[list[int]], other: list[list[int]]) -> float:
+    """Tokens before the first difference, summed over prompts, / reference tokens."""
+    same = 0
+    for ref, out in zip(reference, other, strict=True):
+        same += next(
+            (i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b),
+            min(len(ref), len(out)),
+        )
+    return same / max(sum(len(r) for r in reference), 1)
+
+
+def measure(dtype: str, **engine_fields) -> tuple[float, list[list[int]]]:
+    """(perplexity on the quality text, greedy tokens for PROMPTS) with this dtype."""
+    from engine import LLM, SamplingParams
+    from engine.perplexity import perplexity
+
+    llm = LLM(dtype=dtype, **engine_fields)
+    ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))
+    ppl = perplexity(llm.engine, ids)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
+    return ppl, [o.token_ids for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args(argv)
+    print(machine_line())
+    ref_ppl, ref_tokens = measure("float32")
+    print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
+    for dtype in [d for d in args.dtypes.split(",") if d != "float32"]:
+        ppl, tokens = measure(dtype)
+        agree = agreement_before_divergence(ref_tokens, tokens)
+        print(f"{dtype}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
+              f"greedy tokens before the first divergence {agree:.1%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

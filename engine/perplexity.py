@@ -1,0 +1,47 @@
+"""Perplexity of a text under an engine's model: the quality gate for faster modes.
+
+A faster dtype or a compiled step must stay close to the float32 reference; the gate
+compares perplexities on a fixed text (`tests/data/quality_text.txt`). The text runs
+through the engine's own model and attention as chunked prefill over a scratch KV
+cache, so neither the engine's cache nor its prefix-cache contents are touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.llm_engine import LLMEngine
+
+
+@torch.inference_mode()
+def token_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every i, float32 ``[len - 1]``."""
+    if len(token_ids) < 2:
+        raise ValueError("need at least two tokens")
+    if len(token_ids) > engine.max_model_len:
+        raise ValueError(f"{len(token_ids)} tokens do not fit max_model_len {engine.max_model_len}")
+    model, bs = engine.model, engine.config.block_size
+    blocks = list(range(-(-len(token_ids) // bs)))
+    scratch = allocate_kv_cache(
+        engine.hf_config.num_hidden_layers, len(blocks), bs, model.num_kv_heads,
+        model.head_dim, engine.dtype, engine.device,
+    )  # fmt: skip
+    ids = torch.tensor(token_ids, device=engine.device)
+    chunk = engine.config.max_num_batched_tokens
+    out = []
+    for start in range(0, len(token_ids) - 1, chunk):
+        end = min(start + chunk, len(token_ids) - 1)
+        meta = AttentionMetadata.build([end - start], [end], [blocks], bs, engine.device)
+        model.attn_backend.prepare(meta)
+        logits = model.compute_logits(model(ids[start:end], meta.positions, scratch, meta))
+        targets = ids[start + 1 : end + 1]
+        out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0])
+    return torch.cat(out).float().cpu()
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of each token after the first."""
+    return math.exp(-token_logprobs(engine, token_ids).mean().item())
