@@ -7,6 +7,9 @@ Per layer the cache is a K and a V tensor of shape
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -21,15 +24,28 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    # Zeroed rather than empty: padded gathers read unused slots, and NaN garbage
-    # there would survive a -inf mask as NaN * 0 in the value product.
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
+        (_zeroed(shape, dtype, device), _zeroed(shape, dtype, device)) for _ in range(num_layers)
     ]
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on CPU one that takes RAM only where it is written.
+
+    Zeroed rather than empty: padded gathers read unused slots, and NaN garbage there
+    would survive a -inf mask as NaN * 0 in the value product. On CPU the zeros come
+    from a fresh anonymous mapping, whose pages the OS hands out zero-filled on first
+    touch: a 2 GiB cache costs resident memory only for the blocks requests have used
+    (read or written; torch.zeros would write, and so map, every page at start-up).
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+    pages = mmap.mmap(-1, numel * dtype.itemsize)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 def write_kv(

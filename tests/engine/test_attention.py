@@ -498,3 +498,25 @@ def test_attention_with_lse_fused_equals_plain_ops(masked):
     torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+
+
+def test_cpu_kv_cache_is_zero_and_takes_memory_only_where_written():
+    before = _rss_mib()
+    caches = allocate_kv_cache(4, 4096, 16, 2, 64, torch.float32, "cpu")
+    assert sum(k.nbytes + v.nbytes for k, v in caches) == 256 * 2**20
+    k, v = caches[0]
+    assert _rss_mib() - before < 32
+    # Zeros where read (a read maps the pages it touches, so only a few blocks here).
+    assert not k[:8].any() and not v[-8:].any() and not caches[-1][0][2048:2056].any()
+    k[:1024] = 1.0  # a quarter of one layer's K: 8 MiB resident
+    assert k[:1024].all() and not k[1024:].any()
+    assert _rss_mib() - before < 48
+    for k, v in caches:
+        k.fill_(2.0)
+        v.fill_(2.0)
+    assert _rss_mib() - before >= 240  # every page written: now it all counts
