@@ -1,11 +1,12 @@
-"""Decode-step time of the default model in each dtype, measured in turns in one process.
+"""Decode-step time of the default model per dtype and attention backend, in turns.
 
     .venv/bin/python -m bench.dtype_step --batch 1,32 --dtypes float32,bfloat16
+    .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --backends sdpa-gather,sdpa
 
-One engine per dtype, each with `batch` requests of 300 random prompt tokens decoding;
-the engines step in turns (6 steps each, 8 rounds), so a noisy neighbour slows all of
-them alike, and the medians are compared as ratios to the first dtype. This is what
-`dtype=auto` rests on (engine/config.py).
+One engine per (dtype, backend), each with `batch` requests of 300 random prompt tokens
+decoding; the engines step in turns (6 steps each, 8 rounds) in one process, so a noisy
+neighbour slows all of them alike, and the medians are compared as ratios to the first.
+This is what `dtype=auto` and the default backend rest on.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ PROMPT_TOKENS = 300
 ROUNDS, STEPS_PER_TURN = 8, 6
 
 
-def decoding_engine(dtype: str, batch: int, seed: int = 0):
-    """An engine of `dtype` whose `batch` requests are past their prefill."""
+def decoding_engine(dtype: str, backend: str, batch: int, seed: int = 0):
+    """An engine of `dtype` and attention `backend` whose `batch` requests are past their
+    prefill."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(dtype=dtype, num_blocks=batch * 40 + 160))
+    config = EngineConfig(dtype=dtype, attention_backend=backend, num_blocks=batch * 40 + 160)
+    engine = LLMEngine(config)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -54,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--backends", default="auto")
     args = parser.parse_args(argv)
     print(machine_line())
-    dtypes = args.dtypes.split(",")
+    variants = [(d, b) for d in args.dtypes.split(",") for b in args.backends.split(",")]
     for batch in (int(b) for b in args.batch.split(",")):
-        medians = step_medians_ms({d: decoding_engine(d, batch) for d in dtypes})
-        base = medians[dtypes[0]]
+        engines = {f"{d}/{b}": decoding_engine(d, b, batch) for d, b in variants}
+        medians = step_medians_ms(engines)
+        base = next(iter(medians.values()))
         cells = ", ".join(f"{d} {m:.1f} ms ({base / m:.2f}x)" for d, m in medians.items())
         print(f"batch {batch}: {cells}", flush=True)
     return 0
