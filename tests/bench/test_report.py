@@ -84,7 +84,7 @@ def test_markdown_table_has_a_row_per_record():
                     concurrency=8)  # fmt: skip
     rec["server_metrics"] = {"mean_requests_per_step": 6.5, "prefix_cache_hit_rate": 0.5}
     lines = markdown_table(
-        [rec, {**rec, "server": "llama.cpp", "server_metrics": None}]
+        [rec, {**rec, "server": "llama-cpp-python", "server_metrics": None}]
     ).splitlines()
     assert len(lines) == 4 and lines[0].startswith("| server | workload | conc |")
     assert lines[2].startswith("| naive | unique | 8 | 1/0 | 4.0 |")
