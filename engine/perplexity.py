@@ -39,7 +39,7 @@ def token_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
         logits = model.compute_logits(model(ids[start:end], meta.positions, scratch, meta))
         targets = ids[start + 1 : end + 1]
         out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0])
-    return torch.cat(out).float().cpu()
+    return torch.cat(out).float()
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:

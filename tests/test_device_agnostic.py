@@ -76,6 +76,13 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a kernel choice, not placement: torch's fused flash kernel with log-sum-exp exists "
         "only for CPU tensors; other devices take attention_with_lse_ops, tested equal to it"
     ),
+    ("engine/attention/kv_cache.py", "_zeroed", 'device string "cpu"'): (
+        "a memory choice, not placement: on CPU the cache comes from an anonymous mapping "
+        "(resident only where used); other devices get torch.zeros on their device"
+    ),
+    ("engine/attention/kv_cache.py", "_zeroed", "torch.zeros without device="): (
+        "the empty (zero-element) cache on the CPU branch, where the device is the host"
+    ),
     ("engine/models/llama.py", "rope_inv_freq", "torch.arange without device="): (
         "inverse RoPE frequencies are computed on the host, as transformers does, so they are "
         "bit-identical to it; RotaryEmbedding moves them to the configured device once"
