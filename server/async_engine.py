@@ -408,17 +408,11 @@ class AsyncEngine:
         streams = {id(s): s for rid in request_ids if (s := self._streams.get(rid)) is not None}
         if not streams:
             return
-        failed = set(request_ids)
-        siblings = [
-            rid for rid, s in self._streams.items() if id(s) in streams and rid not in failed
-        ]
-        if siblings:
-            self.engine.abort_request(siblings)
         now = time.monotonic()
-        for rid in [*failed & self._streams.keys(), *siblings]:
-            del self._streams[rid]
-            reason = "error" if rid in failed else "abort"
-            self.metrics.on_request_done(self._times.pop(rid), reason, now)
+        for rid in request_ids:
+            if self._streams.pop(rid, None) is not None:
+                self.metrics.on_request_done(self._times.pop(rid), "error", now)
+        self._abort([rid for stream in streams.values() for rid in stream.request_ids])
         self._post(_fail_streams, list(streams.values()), error)
 
     def _track(self, out: RequestOutput, now: float) -> None:

@@ -65,7 +65,7 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        if not self._engine.is_alive and self._engine.died_of_failure:
+        if self._engine.died_of_failure:
             self.should_exit = True  # nothing can be served: exit so a supervisor restarts us
         return await super().on_tick(counter)
 
