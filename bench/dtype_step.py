@@ -1,9 +1,11 @@
-"""Decode-step time of the default model per dtype and attention backend, in turns.
+"""Decode-step time of the default model per dtype, backend, quantization and matmul, in turns.
 
     .venv/bin/python -m bench.dtype_step --batch 1,32 --dtypes float32,bfloat16
-    .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --backends sdpa-gather,sdpa
+    .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --backends sdpa-nocascade,sdpa
+    .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int8 \
+        --skinny off,on --batch 1,4,8
 
-One engine per (dtype, backend), each with `batch` requests of 300 random prompt tokens
+One engine per variant, each with `batch` requests of 300 random prompt tokens
 decoding; the engines step in turns (6 steps each, 8 rounds) in one process, so a noisy
 neighbour slows all of them alike, and the medians are compared as ratios to the first.
 This is what `dtype=auto` and the default backend rest on.
@@ -22,12 +24,19 @@ PROMPT_TOKENS = 300
 ROUNDS, STEPS_PER_TURN = 8, 6
 
 
-def decoding_engine(dtype: str, backend: str, batch: int, seed: int = 0):
-    """An engine of `dtype` and attention `backend` whose `batch` requests are past their
-    prefill."""
+def decoding_engine(
+    dtype: str, backend: str, batch: int, quantization: str | None = None, seed: int = 0
+):
+    """An engine of `dtype`, attention `backend` and `quantization` whose `batch` requests
+    are past their prefill."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    config = EngineConfig(dtype=dtype, attention_backend=backend, num_blocks=batch * 40 + 160)
+    config = EngineConfig(
+        dtype=dtype,
+        attention_backend=backend,
+        quantization=quantization,
+        num_blocks=batch * 40 + 160,
+    )
     engine = LLMEngine(config)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -42,10 +51,14 @@ def decoding_engine(dtype: str, backend: str, batch: int, seed: int = 0):
     return engine
 
 
-def step_medians_ms(engines: dict) -> dict[str, float]:
+def step_medians_ms(engines: dict, skinny_rows: dict[str, int]) -> dict[str, float]:
+    """Median step time per engine; each steps with its own skinny-kernel row limit."""
+    from engine.models import linear
+
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(ROUNDS):
         for name, engine in engines.items():
+            linear.SKINNY_MAX_ROWS = skinny_rows[name]
             for _ in range(STEPS_PER_TURN):
                 start = time.perf_counter()
                 engine.step()
@@ -58,12 +71,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--backends", default="auto")
+    parser.add_argument("--quantizations", default="none", help="e.g. none,int8")
+    parser.add_argument(
+        "--skinny", default="on", help="on,off: off runs every matmul through torch (A/B)"
+    )
     args = parser.parse_args(argv)
     print(machine_line())
-    variants = [(d, b) for d in args.dtypes.split(",") for b in args.backends.split(",")]
+    from engine.models import linear
+
+    variants = [
+        (d, b, q, k)
+        for d in args.dtypes.split(",")
+        for b in args.backends.split(",")
+        for q in args.quantizations.split(",")
+        for k in args.skinny.split(",")
+    ]
+    rows = {"on": linear.SKINNY_MAX_ROWS, "off": 0}
     for batch in (int(b) for b in args.batch.split(",")):
-        engines = {f"{d}/{b}": decoding_engine(d, b, batch) for d, b in variants}
-        medians = step_medians_ms(engines)
+        engines, skinny_rows = {}, {}
+        for d, b, q, k in variants:
+            name = f"{d}/{b}/{q}/skinny-{k}"
+            engines[name] = decoding_engine(d, b, batch, None if q == "none" else q)
+            skinny_rows[name] = rows[k]
+        medians = step_medians_ms(engines, skinny_rows)
         base = next(iter(medians.values()))
         cells = ", ".join(f"{d} {m:.1f} ms ({base / m:.2f}x)" for d, m in medians.items())
         print(f"batch {batch}: {cells}", flush=True)

@@ -1,8 +1,8 @@
 """The quality gate's figures for each faster mode against the float32 reference.
 
-    .venv/bin/python -m bench.quality --dtypes float32,bfloat16
+    .venv/bin/python -m bench.quality --modes bfloat16,bfloat16+int8
 
-For each dtype: perplexity of the default model on `tests/data/quality_text.txt` (and
+For each mode (a dtype, optionally +quantization): perplexity of the default model on `tests/data/quality_text.txt` (and
 its change from float32), and greedy agreement with float32 on fixed chat prompts: the
 fraction of generated tokens before the first token that differs, over all prompts.
 """
@@ -54,15 +54,16 @@ def measure(dtype: str, **engine_fields) -> tuple[float, list[list[int]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--modes", default="bfloat16,bfloat16+int8")
     args = parser.parse_args(argv)
     print(machine_line())
     ref_ppl, ref_tokens = measure("float32")
     print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
-    for dtype in [d for d in args.dtypes.split(",") if d != "float32"]:
-        ppl, tokens = measure(dtype)
+    for mode in [m for m in args.modes.split(",") if m != "float32"]:
+        dtype, _, quantization = mode.partition("+")
+        ppl, tokens = measure(dtype, quantization=quantization or None)
         agree = agreement_before_divergence(ref_tokens, tokens)
-        print(f"{dtype}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
+        print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
               f"greedy tokens before the first divergence {agree:.1%}")  # fmt: skip
     return 0
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.attention import ATTENTION_BACKENDS
+from engine.kernels import cpu_flags, cpu_kernels
 from engine.loader import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
+QUANTIZATIONS = ("int8",)
 
 # Without an explicit budget the CPU KV cache gets 2 GiB, but never more than this share of
 # the RAM that is available at start-up (the weights and activations need the rest).
@@ -65,6 +66,7 @@ class EngineConfig:
     prefix_cache_hash: str = "builtin"
     seed: int = 0
     attention_backend: str = "auto"
+    quantization: str | None = None  # "int8": weight-only int8 (CPUs with AVX512-BF16)
     cache_dir: str | None = None  # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
 
     def __post_init__(self) -> None:
@@ -92,6 +94,22 @@ class EngineConfig:
             # Pre-Ampere GPUs have no bf16 units; half precision is their fast path.
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def check_quantization(self, device: torch.device, dtype: torch.dtype) -> None:
+        """int8 weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
+        bf16 activations: refuse the combinations it cannot serve fast."""
+        if self.quantization is None:
+            return
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            raise ValueError(
+                f"quantization {self.quantization!r} needs device cpu and dtype bfloat16, "
+                f"got {device} and {str(dtype).removeprefix('torch.')}"
+            )
+        if cpu_kernels() is None:
+            raise ValueError(
+                f"quantization {self.quantization!r} needs a CPU with AVX512-BF16 and a C++ "
+                "compiler for its kernel (see the log)"
+            )
 
     def resolve_max_model_len(self, model: PretrainedConfig | int) -> int:
         """The model's context length (its config's max_position_embeddings, or that number)
@@ -197,6 +215,8 @@ class EngineConfig:
             f"max_num_batched_tokens={self.max_num_batched_tokens}",
             f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
         ]
+        if self.quantization is not None:
+            parts.insert(3, f"quantization={self.quantization}")
         if num_blocks is not None:
             parts.append(self.describe_kv_cache(num_blocks))
         return " ".join(parts)
@@ -254,27 +274,16 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
         (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
          "attention_backend",
          f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),
+        (c.quantization is None or c.quantization in QUANTIZATIONS, "quantization",
+         f"must be one of {', '.join(QUANTIZATIONS)} or None, got {c.quantization!r}"),
         (c.cache_dir is None or (isinstance(c.cache_dir, str) and c.cache_dir != ""), "cache_dir",
          f"must be a directory path or None, got {c.cache_dir!r}"),
     ]  # fmt: skip
     return [(name, message) for ok, name, message in checks if not ok]
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports; empty elsewhere (then bf16 is not assumed fast)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has_fast_bf16() -> bool:
-    return not FAST_BF16_CPU_FLAGS.isdisjoint(_cpu_flags())
+    return not FAST_BF16_CPU_FLAGS.isdisjoint(cpu_flags())
 
 
 def _whole_blocks(budget: int, per_block: int) -> int:

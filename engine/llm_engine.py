@@ -57,6 +57,7 @@ class LLMEngine:
         self.eos_token_ids = load_generation_eos(model_dir, self.tokenizer)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        config.check_quantization(self.device, self.dtype)
         self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
 
@@ -68,6 +69,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         model.load_weights(iter_weights(model_dir))
+        model.pack_weights(config.quantization)
         self.model = model.eval()
 
         self.num_blocks = self._num_kv_blocks()

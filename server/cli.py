@@ -91,7 +91,7 @@ def _non_negative_float(text: str) -> float:
 _ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "prefix_cache_hash", "seed", "attention_backend", "cache_dir",
+    "prefix_cache_hash", "seed", "attention_backend", "quantization", "cache_dir",
 )  # fmt: skip
 
 
@@ -114,6 +114,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend")
+    g.add_argument("--quantization", choices=["int8"],
+                   help="weight-only int8 (CPUs with AVX512-BF16; default: none)")  # fmt: skip
     g.add_argument("--cache-dir", help="where converted models are kept")
 
 

@@ -72,6 +72,18 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a tuning choice, not placement: on CPU decode queries are gathered in groups to bound "
         "the padded key gather; both branches run correctly on either device"
     ),
+    ("engine/attention/registry.py", "cpu_paged_applies", 'device string "cpu"'): (
+        "a backend choice, not placement: the paged decode kernel is CPU code; on other "
+        "devices 'auto' resolves to sdpa"
+    ),
+    ("engine/models/linear.py", "skinny_kernel_applies", 'device string "cpu"'): (
+        "a kernel choice, not placement: the skinny GEMM kernel is CPU code; tensors on other "
+        "devices take F.linear, tested equal to it"
+    ),
+    ("engine/models/linear.py", "Linear.pack", 'device string "cpu"'): (
+        "a layout choice, not placement: torch's CPU fp32 matmul is faster on [in, out] "
+        "weights; the weight stays on its device either way"
+    ),
     ("engine/attention/sdpa.py", "attention_with_lse", 'device string "cpu"'): (
         "a kernel choice, not placement: torch's fused flash kernel with log-sum-exp exists "
         "only for CPU tensors; other devices take attention_with_lse_ops, tested equal to it"

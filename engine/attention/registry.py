@@ -5,9 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import torch
+
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import ReferenceBackend
 from engine.attention.sdpa import SdpaBackend
+from engine.kernels import cpu_kernels
 
 # name -> factory of (num_heads, num_kv_heads): each model gets its own backend object,
 # since a backend keeps the plan of the step it last prepared.
@@ -16,18 +20,53 @@ ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
     "sdpa": SdpaBackend,
     # Every decode over its whole context, shared prefixes or not: for A/B runs.
     "sdpa-nocascade": partial(SdpaBackend, cascade=False),
+    # bf16 on CPUs with AVX512-BF16: decodes through the paged decode kernel.
+    "cpu-paged": CpuPagedBackend,
 }
 
-# "auto" resolves to this; see bench/attention.md for the measurements behind it.
+# "auto" resolves to this unless `cpu-paged` can run; see bench/attention.md.
 DEFAULT_BACKEND = "sdpa"
 
 
-def get_attention_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
-    """A new backend ``name`` ("auto" = the fastest proven one) for this head layout."""
-    key = DEFAULT_BACKEND if name == "auto" else name
+def cpu_paged_applies(
+    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the cpu-paged backend can serve this model: bf16 on a CPU with the kernels,
+    and a head layout the kernel handles (head_dim a multiple of 16 up to 256, at most 16
+    query heads per KV head)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and num_heads // num_kv_heads <= 16
+        and cpu_kernels() is not None
+    )
+
+
+def get_attention_backend(
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,  # None: torch's default device
+) -> AttentionBackend:
+    """A new backend ``name`` for this head layout, dtype and device; "auto" is cpu-paged
+    where it can run (4-6x SDPA's decode attention) and SDPA elsewhere."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    paged = cpu_paged_applies(dtype, device, num_heads, num_kv_heads, head_dim)
+    auto = "cpu-paged" if paged else DEFAULT_BACKEND
+    key = auto if name == "auto" else name
     try:
         factory = ATTENTION_BACKENDS[key]
     except KeyError:
         choices = ", ".join(["auto", *ATTENTION_BACKENDS])
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}") from None
+    if key == "cpu-paged" and not paged:
+        raise ValueError(
+            "attention backend 'cpu-paged' needs device cpu, dtype bfloat16, a CPU with "
+            "AVX512-BF16, head_dim a multiple of 16 up to 256 and at most 16 query heads per "
+            f"KV head; got {device}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
+        )
     return factory(num_heads, num_kv_heads)

@@ -21,6 +21,8 @@ from engine.attention import (
     reference_paged_attention,
     write_kv,
 )
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.kernels import cpu_kernels, cpu_kernels_supported
 
 BLOCK_SIZE = 4
 
@@ -32,8 +34,8 @@ def attend(backend: AttentionBackend, q, k_cache, v_cache, meta, scale) -> torch
 
 
 def named(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> AttentionBackend:
-    """Backend ``name`` for the head layout of ``q`` and the cache."""
-    return get_attention_backend(name, q.shape[1], k_cache.shape[2])
+    """Backend ``name`` for the head layout, dtype and device of ``q`` and the cache."""
+    return get_attention_backend(name, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, q.device)
 
 
 def sdpa_backend(q: torch.Tensor, k_cache: torch.Tensor, **options) -> SdpaBackend:
@@ -260,6 +262,81 @@ def test_backend_without_cascade_equals_reference(decodes_first):
     fast = attend(named("sdpa-nocascade", q, k_cache), q, k_cache, v_cache, meta, 0.3)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    not cpu_kernels_supported(), reason="the cpu-paged backend needs AVX512-BF16"
+)
+
+
+@needs_cpu_kernels
+def test_auto_is_cpu_paged_for_bf16_on_this_cpu_and_sdpa_otherwise():
+    assert isinstance(get_attention_backend("auto", 4, 2, 64, torch.bfloat16), CpuPagedBackend)
+    assert isinstance(get_attention_backend("auto", 4, 2, 64, torch.float32), SdpaBackend)
+    assert isinstance(get_attention_backend("auto", 4, 2, 8, torch.bfloat16), SdpaBackend)
+    with pytest.raises(ValueError, match="'cpu-paged' needs device cpu, dtype bfloat16"):
+        get_attention_backend("cpu-paged", 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        get_attention_backend("cpu-paged", 4, 2, 8, torch.bfloat16)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (6, 1, 64), (4, 4, 32)]
+)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_cpu_paged_equals_reference_over_long_and_mixed_steps(
+    num_heads, num_kv_heads, head_dim, seed, decodes_first
+):
+    """Decodes of up to 700 tokens (several 256-token chunks merged) among prefills."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = random_shapes(rng, 5) + [(1, rng.randint(1, 700)) for _ in range(5)] + [(1, 257)]
+    if decodes_first:
+        shapes.sort(key=lambda s: s[0] != 1)
+    else:
+        rng.shuffle(shapes)
+    q, k_cache, v_cache, meta, _ = make_batch(
+        rng, shapes, num_heads, num_kv_heads, head_dim, torch.bfloat16
+    )
+    scale = head_dim**-0.5
+    out = attend(named("cpu-paged", q, k_cache), q, k_cache, v_cache, meta, scale)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cpu_kernels
+def test_cpu_paged_decode_only_step_over_shared_prefixes_equals_reference():
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    shapes, share, _ = sharing_step()
+    keep = [r for r, s in enumerate(shapes) if s[0] == 1]
+    q, k_cache, v_cache, meta, _ = make_batch(
+        rng, [shapes[r] for r in keep], 6, 2, 16, torch.bfloat16, share=[share[r] for r in keep]
+    )
+    out = attend(named("cpu-paged", q, k_cache), q, k_cache, v_cache, meta, 0.25)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cpu_kernels
+def test_paged_decode_kernel_rejects_what_it_cannot_attend():
+    kernel = cpu_kernels()
+    q = torch.zeros(1, 4, 24, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 2, 24, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.paged_decode_attention(q.float(), cache, cache, tables, lens, 1.0)
+    q, cache = (
+        torch.zeros(1, 4, 16, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16),
+    )
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)
 
 
 def test_unknown_backend_is_a_clear_error():

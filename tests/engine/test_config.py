@@ -45,6 +45,7 @@ GiB = 1 << 30
         ({"seed": 1.5}, "seed must be an integer, got 1.5"),
         ({"attention_backend": "flash"}, "attention_backend must be one of auto"),
         ({"cache_dir": ""}, "cache_dir must be a directory path or None"),
+        ({"quantization": "int4"}, "quantization must be one of int8 or None, got 'int4'"),
     ],
 )
 def test_bad_values_fail_naming_the_option(fields, message):
@@ -120,7 +121,7 @@ def test_explicit_dtype_is_used_on_any_device(name, dtype):
     ],
 )
 def test_auto_dtype_on_cpu_follows_bf16_hardware(monkeypatch, flags, expected):
-    monkeypatch.setattr(config_module, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(config_module, "cpu_flags", lambda: frozenset(flags))
     assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
 
 
@@ -143,6 +144,24 @@ def test_auto_dtype_on_cuda(monkeypatch, bf16, expected):
 
 
 # -- KV cache size --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.float32), ("cpu", torch.float16), ("cuda", torch.bfloat16)],
+)
+def test_int8_is_refused_off_its_cpu_kernel(device, dtype):
+    with pytest.raises(
+        ValueError, match="^quantization 'int8' needs device cpu and dtype bfloat16"
+    ):
+        EngineConfig(quantization="int8").check_quantization(torch.device(device), dtype)
+
+
+def test_int8_without_the_kernel_is_refused_naming_the_cpu(monkeypatch):
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16"):
+        EngineConfig(quantization="int8").check_quantization(torch.device("cpu"), torch.bfloat16)
+    EngineConfig().check_quantization(torch.device("cpu"), torch.float32)  # nothing asked
 
 
 def test_bytes_per_block():

@@ -272,7 +272,8 @@ def test_tied_head_is_the_embedding_and_qwen2_has_qkv_bias_only():
     assert tied.lm_head is tied.embed_tokens
     _, qwen = models("qwen2")
     layer = qwen.layers[0]
-    assert layer.qkv_bias is not None and layer.o_bias is None and layer.gate_up_bias is None
+    assert layer.qkv_proj.bias is not None and layer.o_proj.bias is None
+    assert layer.gate_up_proj.bias is None and layer.down_proj.bias is None
 
 
 def test_registry_maps_architectures_and_rejects_others():

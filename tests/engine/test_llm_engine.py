@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import engine.llm_engine as llm_engine_module
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepError
 from engine.config import GpuMemory
+from engine.kernels import cpu_kernels_supported
 from tests.engine.test_engine_golden import assert_all_blocks_free
 from tests.engine.tiny_models import make_tiny_model_dir
 
@@ -170,3 +172,16 @@ def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
     kv = eng.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == eng.num_blocks
+
+
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="int8 weights need AVX512-BF16")
+def test_int8_engine_runs_on_int8_weights_and_greedy_does_not_depend_on_the_batch(model_dir):
+    llm = LLM(model=str(model_dir), dtype="bfloat16", quantization="int8", num_blocks=128)
+    layers = llm.engine.model.layers
+    assert all(lin.weight.dtype == torch.int8 for layer in layers for lin in layer.linears())
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPT], greedy)[0].token_ids
+    # 1 row (kernel, in registers) alone; 9 rows (kernel, dequantized tile) in a batch.
+    batch = llm.generate([PROMPT[i:] for i in range(9)], greedy)
+    assert batch[0].token_ids == alone and len(alone) == 12
+    assert_all_blocks_free(llm)

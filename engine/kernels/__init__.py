@@ -1,0 +1,70 @@
+"""Native CPU kernels, compiled on first use by torch's C++ extension loader.
+
+`cpu_kernels()` returns the compiled module, or None where it cannot run (no AVX512-BF16,
+no C++ compiler): callers then use torch's own ops, which are always correct. The build
+(about 40 s, once per Python environment; `make` does it at install time with ``python -m
+engine.kernels``) lands in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``, under a name keyed by the environment: two virtualenvs
+sharing that cache would otherwise rebuild it in turn, each build waiting on the other's
+lock.
+
+* ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
+* ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
+  attention straight from the paged cache (`csrc/paged_decode.cpp`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("bindings.cpp", "skinny_gemm.cpp", "paged_decode.cpp")
+# The flags the intrinsics need; the build targets exactly these, not -march=native, so a
+# cached build stays valid on any CPU that has them.
+CPU_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+_ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports; empty elsewhere (then no kernel is assumed)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_kernels_supported() -> bool:
+    return cpu_flags() >= CPU_KERNEL_FLAGS
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, or None (then torch's ops serve, and a warning says why)."""
+    if not cpu_kernels_supported():
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+
+        env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+        return load(
+            name=f"pagedserve_cpu_kernels_{env}",
+            sources=[str(CSRC / name) for name in SOURCES],
+            extra_cflags=["-O3", "-fopenmp", *_ISA_CFLAGS],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # no compiler, headers, ninja...: torch's ops still work
+        logger.warning("CPU kernels unavailable, using torch's ops: %s", exc)
+        return None
