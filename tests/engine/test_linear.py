@@ -1,0 +1,144 @@
+"""Projections: the skinny GEMM kernel, int8 weights, and the layout `Linear.pack` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_kernels, cpu_kernels_supported
+from engine.models import linear as linear_module
+from engine.models.linear import (
+    INT8_GROUP,
+    Linear,
+    dequantize_int8,
+    matmul_t,
+    quantize_int8,
+    skinny_kernel_applies,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels_supported(), reason="the skinny GEMM kernel needs AVX512-BF16"
+)
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _close_to(got: torch.Tensor, expected_fp32: torch.Tensor) -> None:
+    """Equal up to bf16 output rounding and a different fp32 summation order."""
+    scale = expected_fp32.abs().max().item() + 1e-6
+    torch.testing.assert_close(got.float(), expected_fp32, atol=scale * 8e-3, rtol=8e-3)
+
+
+@needs_kernel
+def test_the_kernel_builds_where_the_cpu_has_avx512_bf16():
+    assert cpu_kernels() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (64, 96), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_kernel_equals_a_float32_matmul(m, n, k, with_bias):
+    x, w = _bf16(m, k, seed=1), _bf16(n, k, seed=2)
+    bias = _bf16(n, seed=3) if with_bias else None
+    got = cpu_kernels().skinny_linear(x, w, None, bias)
+    expected = x.float() @ w.float().t() + (bias.float() if with_bias else 0)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close_to(got, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33])  # >4 rows: the dequantized-tile path
+@pytest.mark.parametrize(("n", "k"), [(5, 64), (64, 128), (100, 576)])
+def test_int8_kernel_equals_a_matmul_on_the_dequantized_weight(m, n, k):
+    x, w = _bf16(m, k, seed=4), _bf16(n, k, seed=5)
+    bias = _bf16(n, seed=6)
+    q, scales = quantize_int8(w)
+    got = cpu_kernels().skinny_linear(x, q, scales, bias)
+    expected = x.float() @ dequantize_int8(q, scales, torch.bfloat16).float().t() + bias.float()
+    _close_to(got, expected)
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_multiply():
+    kernel = cpu_kernels()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.skinny_linear(_bf16(1, 48, seed=0), _bf16(4, 48, seed=0), None, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.skinny_linear(torch.randn(1, 32), _bf16(4, 32, seed=0), None, None)
+    q, _ = quantize_int8(_bf16(4, 64, seed=0))
+    with pytest.raises(RuntimeError, match="int8 weights need scales"):
+        kernel.skinny_linear(_bf16(1, 64, seed=0), q, None, None)
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step_per_group():
+    w = _bf16(16, 256, seed=7).float()
+    w[3] = 0  # an all-zero row must not divide by zero
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (16, 256 // INT8_GROUP)
+    back = dequantize_int8(q, scales, torch.float32)
+    step = scales.repeat_interleave(INT8_GROUP, dim=1)
+    assert torch.all((back - w).abs() <= step / 2 + 1e-7)
+    assert torch.equal(back[3], torch.zeros(256))
+
+
+def test_kernel_applies_only_to_few_bf16_rows_on_a_multiple_of_32():
+    w = _bf16(8, 64, seed=0)
+    rows = linear_module.SKINNY_MAX_ROWS
+    expected = cpu_kernels() is not None
+    assert skinny_kernel_applies(_bf16(rows, 64, seed=0), w) is expected
+    assert not skinny_kernel_applies(_bf16(rows + 1, 64, seed=0), w)
+    assert not skinny_kernel_applies(_bf16(1, 48, seed=0), _bf16(8, 48, seed=0))
+    assert not skinny_kernel_applies(torch.randn(1, 64), torch.randn(8, 64))
+    q, _ = quantize_int8(w)
+    int8_rows = linear_module.INT8_KERNEL_MAX_ROWS
+    assert skinny_kernel_applies(_bf16(int8_rows, 64, seed=0), q) is expected
+
+
+def _loaded(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> Linear:
+    layer = Linear(in_f, out_f, bias, dtype=dtype, device=torch.device("cpu"))
+    layer.weight.data.copy_(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(8)))
+    if bias:
+        layer.bias.data.copy_(torch.randn(out_f, generator=torch.Generator().manual_seed(9)))
+    return layer
+
+
+def test_float32_pack_stores_in_by_out_and_multiplies_the_same():
+    layer = _loaded(64, 96, torch.float32)
+    x = torch.randn(12, 64)
+    before = layer(x)
+    layer.pack()
+    assert layer.weight.shape == (96, 64) and layer.weight.stride() == (1, 96)
+    torch.testing.assert_close(layer(x), before, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 64, 65])  # kernel, torch / kernel, dequantized
+def test_bf16_and_int8_linear_equal_their_reference_at_every_row_count(rows):
+    x = _bf16(rows, 128, seed=10)
+    layer = _loaded(128, 40, torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack()
+    _close_to(layer(x), x.float() @ weight.float().t() + bias.float())
+    layer.pack("int8")
+    assert layer.weight.dtype == torch.int8 and layer.scales is not None
+    deq = dequantize_int8(*quantize_int8(weight), torch.bfloat16)
+    _close_to(layer(x), x.float() @ deq.float().t() + bias.float())
+
+
+def test_int8_pack_refuses_a_row_that_is_not_whole_groups():
+    with pytest.raises(ValueError, match=f"divisible by {INT8_GROUP}"):
+        _loaded(96, 8, torch.bfloat16).pack("int8")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        _loaded(64, 8, torch.bfloat16).pack("int4")
+
+
+def test_matmul_t_serves_the_lm_head_in_any_dtype():
+    head = _bf16(300, 64, seed=11)
+    hidden = _bf16(2, 64, seed=12)
+    _close_to(matmul_t(hidden, head), hidden.float() @ head.float().t())
+    torch.testing.assert_close(
+        matmul_t(hidden.float(), head.float()), F.linear(hidden.float(), head.float())
+    )
