@@ -24,6 +24,7 @@ bench/attention.md has the numbers.
 """
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.decode_plan import CascadeGroup, cascade_groups
 from engine.attention.kv_cache import allocate_kv_cache, write_kv
 from engine.attention.metadata import AttentionMetadata
@@ -37,6 +38,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "CascadeGroup",
+    "CpuPagedBackend",
     "ReferenceBackend",
     "SdpaBackend",
     "allocate_kv_cache",

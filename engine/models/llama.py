@@ -175,7 +175,9 @@ def _architecture(
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
         "act": act,
         # One backend object for all layers: the runner prepares it once per step.
-        "attn_backend": get_attention_backend(attn_backend, num_heads, num_kv_heads, dtype, device),
+        "attn_backend": get_attention_backend(
+            attn_backend, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, device=device
+        ),
     }
 
 

@@ -185,3 +185,14 @@ def test_int8_engine_runs_on_int8_weights_and_greedy_does_not_depend_on_the_batc
     batch = llm.generate([PROMPT[i:] for i in range(9)], greedy)
     assert batch[0].token_ids == alone and len(alone) == 12
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="cpu-paged needs AVX512-BF16")
+def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
+    from engine.attention import CpuPagedBackend, SdpaBackend
+
+    bf16 = LLM(model=str(model_dir), dtype="bfloat16", num_blocks=64).engine.model
+    assert isinstance(bf16.attn_backend, CpuPagedBackend)
+    assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
+    fp32 = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine.model
+    assert isinstance(fp32.attn_backend, SdpaBackend)
