@@ -3,11 +3,13 @@
 Each mode: perplexity on a fixed text within 1% of float32's, and greedy chat output
 that follows float32's for a stated share of its tokens (`python -m bench.quality`):
 
-* bfloat16 (the CPU default where the CPU has bf16 dot products, through the skinny
-  GEMM kernel for decode steps): +0.05% perplexity, 74.7% of greedy tokens before the
-  first divergence (65.6% before the kernel: the share moves with rounding, the
-  perplexity does not).
-* bfloat16 + int8 weights (`--quantization int8`, groups of 64): +0.60%, 40.1%. The token-exact float32 reference
+* bfloat16 (the CPU default where the CPU has bf16 dot products; on AVX512-BF16 CPUs
+  decodes run through the skinny GEMM and paged decode kernels): +0.05% perplexity,
+  50.0% of greedy tokens before the first divergence. The share moves with rounding
+  while the perplexity does not: 65.6% with torch's matmul and SDPA, 74.7% with the
+  skinny GEMM alone, 50.0% with both kernels, perplexity +0.05% each time. So the
+  test asserts a floor a little under the figure, not the figure.
+* bfloat16 + int8 weights (`--quantization int8`, groups of 64): +0.60%, 45.3%. The token-exact float32 reference
 itself is tests/engine/test_engine_golden.py and test_default_model.py.
 """
 
@@ -33,7 +35,7 @@ def test_bfloat16_perplexity_within_1_percent_and_greedy_agreement(reference):
     ref_ppl, ref_tokens = reference
     ppl, tokens = measure("bfloat16", **SMALL_KV)
     assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.5
+    assert agreement_before_divergence(ref_tokens, tokens) >= 0.45
 
 
 @pytest.mark.skipif(not cpu_kernels_supported(), reason="int8 weights need AVX512-BF16")
@@ -41,7 +43,7 @@ def test_int8_perplexity_within_1_percent_and_greedy_agreement(reference):
     ref_ppl, ref_tokens = reference
     ppl, tokens = measure("bfloat16", quantization="int8", **SMALL_KV)
     assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.3
+    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
 
 
 def test_perplexity_is_the_mean_nll_whatever_the_chunking(reference):
