@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.dtype_step --batch 1,32 --dtypes float32,bfloat16
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --backends sdpa-nocascade,sdpa
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int8 \
-        --skinny off,on --batch 1,4,8
+        --kernels off,on --batch 1,4,8
 
 One engine per variant, each with `batch` requests of 300 random prompt tokens
 decoding; the engines step in turns (6 steps each, 8 rounds) in one process, so a noisy
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="auto")
     parser.add_argument("--quantizations", default="none", help="e.g. none,int8")
     parser.add_argument(
-        "--skinny", default="on", help="on,off: off runs every matmul through torch (A/B)"
+        "--kernels",
+        default="on",
+        help="on,off: off runs matmuls and a layer's small ops through torch (A/B; the "
+        "attention backend is --backends)",
     )
     args = parser.parse_args(argv)
     print(machine_line())
@@ -84,15 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         for d in args.dtypes.split(",")
         for b in args.backends.split(",")
         for q in args.quantizations.split(",")
-        for k in args.skinny.split(",")
+        for k in args.kernels.split(",")
     ]
     rows = {"on": linear.SKINNY_MAX_ROWS, "off": 0}
     for batch in (int(b) for b in args.batch.split(",")):
         engines, skinny_rows = {}, {}
         for d, b, q, k in variants:
-            name = f"{d}/{b}/{q}/skinny-{k}"
+            name = f"{d}/{b}/{q}/kernels-{k}"
             engines[name] = decoding_engine(d, b, batch, None if q == "none" else q)
             skinny_rows[name] = rows[k]
+            if k == "off":
+                engines[name].model.fused_ops = None
         medians = step_medians_ms(engines, skinny_rows)
         base = next(iter(medians.values()))
         cells = ", ".join(f"{d} {m:.1f} ms ({base / m:.2f}x)" for d, m in medians.items())

@@ -76,6 +76,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a backend choice, not placement: the paged decode kernel is CPU code; on other "
         "devices 'auto' resolves to sdpa"
     ),
+    ("engine/kernels/__init__.py", "fused_cpu_ops", 'device string "cpu"'): (
+        "a kernel choice, not placement: the fused ops are CPU code; a model on another "
+        "device runs its small ops through torch, tested equal to them"
+    ),
     ("engine/models/linear.py", "skinny_kernel_applies", 'device string "cpu"'): (
         "a kernel choice, not placement: the skinny GEMM kernel is CPU code; tensors on other "
         "devices take F.linear, tested equal to it"

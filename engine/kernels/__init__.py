@@ -2,7 +2,7 @@
 
 `cpu_kernels()` returns the compiled module, or None where it cannot run (no AVX512-BF16,
 no C++ compiler): callers then use torch's own ops, which are always correct. The build
-(about 40 s, once per Python environment; `make` does it at install time with ``python -m
+(about a minute, once per Python environment; `make` does it at install time with ``python -m
 engine.kernels``) lands in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``, under a name keyed by the environment: two virtualenvs
 sharing that cache would otherwise rebuild it in turn, each build waiting on the other's
@@ -11,6 +11,8 @@ lock.
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
   attention straight from the paged cache (`csrc/paged_decode.cpp`)
+* ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``: the small ops around a bf16 layer's
+  matmuls, one call each (`csrc/fused_ops.cpp`)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "skinny_gemm.cpp", "paged_decode.cpp")
+SOURCES = ("bindings.cpp", "skinny_gemm.cpp", "paged_decode.cpp", "fused_ops.cpp")
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
 CPU_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
@@ -68,3 +70,12 @@ def cpu_kernels() -> ModuleType | None:
     except Exception as exc:  # no compiler, headers, ninja...: torch's ops still work
         logger.warning("CPU kernels unavailable, using torch's ops: %s", exc)
         return None
+
+
+def fused_cpu_ops(dtype, device) -> ModuleType | None:
+    """The kernels, when a model of this dtype on this device may use the fused bf16 ops."""
+    import torch
+
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return cpu_kernels()

@@ -17,6 +17,7 @@ Not supported (documented, the model runner must respect it):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+from engine.kernels import fused_cpu_ops
 from engine.models.linear import Linear, matmul_t
 
 __all__ = ["LlamaForCausalLM"]
@@ -142,6 +144,34 @@ class LlamaDecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return hidden + self.down_proj(self.act(gate) * up)
 
+    def forward_fused(
+        self,
+        ops: ModuleType,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` through the fused bf16 CPU ops (``ops``, see `engine.kernels`).
+
+        The residual stream is carried apart from the layer's output, as in vLLM, so each
+        residual add is fused into the norm that follows it: takes and returns (the
+        previous layer's output, the stream before it is added). ``cos``/``sin``: [T, D].
+        """
+        num_tokens = delta.shape[0]
+        x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, self.eps)
+        k_cache, v_cache = kv_cache
+        q = ops.rope_write_kv(
+            self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping,
+            self.num_heads, self.num_kv_heads,
+        )  # fmt: skip
+        attn = self.attn(q, k_cache, v_cache, meta, self.scale)
+        o = self.o_proj(attn.view(num_tokens, self.num_heads * self.head_dim))
+        x, residual = ops.add_rms_norm(o, residual, self.post_attention_layernorm, self.eps)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
+
 
 def _architecture(
     config: Any, attn_backend: str, dtype: torch.dtype, device: torch.device
@@ -219,6 +249,12 @@ class LlamaForCausalLM(nn.Module):
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
         # Every layer calls it; `attn_backend.prepare(meta)` must run once before each step.
         self.attn_backend = arch["attn_backend"]
+        # bf16 on a CPU with the kernels: the layers' small ops go through engine.kernels.
+        self.fused_ops = (
+            fused_cpu_ops(dtype, device)
+            if arch["act"] is F.silu and self.head_dim % 2 == 0
+            else None
+        )
 
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
@@ -249,10 +285,26 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.fused_ops is not None:
+            return self._forward_fused(hidden, positions, kv_caches, meta)
         cos, sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return rms_norm(hidden, self.norm, self.eps)
+
+    def _forward_fused(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ops = self.fused_ops
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, D]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer.forward_fused(ops, hidden, residual, cos, sin, kv_cache, meta)
+        return ops.add_rms_norm(hidden, residual, self.norm, self.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""

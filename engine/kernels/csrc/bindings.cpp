@@ -9,8 +9,20 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale);
 
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const c10::optional<torch::Tensor>& residual,
+                                                      const torch::Tensor& weight, double eps);
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
+                            const torch::Tensor& sin, torch::Tensor& k_cache,
+                            torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                            int64_t num_heads, int64_t num_kv_heads);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias) for a few rows of x");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request against the paged bf16 KV cache");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16");
+  m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16");
 }
