@@ -2,9 +2,11 @@
 
     .venv/bin/python -m bench.quality --modes bfloat16,bfloat16+int8
 
-For each mode (a dtype, optionally +quantization): perplexity of the default model on `tests/data/quality_text.txt` (and
-its change from float32), and greedy agreement with float32 on fixed chat prompts: the
-fraction of generated tokens before the first token that differs, over all prompts.
+For each mode (a dtype, optionally +quantization): perplexity of the default model on
+`tests/data/quality_text.txt` (and its change from float32), as a prefill and fed one
+token per step through the decode path (float32's is the same both ways, 10.6035), and
+greedy agreement with float32 on fixed chat prompts: the fraction of generated tokens
+before the first token that differs, over all prompts.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ def agreement_before_divergence(reference: list[list[int]], other: list[list[int
     return same / max(sum(len(r) for r in reference), 1)
 
 
-def measure(dtype: str, **engine_fields) -> tuple[float, list[list[int]]]:
-    """(perplexity on the quality text, greedy tokens for PROMPTS) with this dtype."""
+def measure(
+    dtype: str, decode_path: bool = False, **engine_fields
+) -> tuple[float, list[list[int]]] | tuple[float, list[list[int]], float]:
+    """(perplexity on the quality text, greedy tokens for PROMPTS) with this dtype, and
+    with ``decode_path`` the perplexity of the text fed one token per step (the decode
+    path: its kernels never run in the prefill the first figure measures)."""
     from engine import LLM, SamplingParams
     from engine.perplexity import perplexity
 
@@ -49,7 +55,10 @@ def measure(dtype: str, **engine_fields) -> tuple[float, list[list[int]]]:
     ppl = perplexity(llm.engine, ids)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
-    return ppl, [o.token_ids for o in outs]
+    tokens = [o.token_ids for o in outs]
+    if decode_path:
+        return ppl, tokens, perplexity(llm.engine, ids, chunk=1)
+    return ppl, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
     for mode in [m for m in args.modes.split(",") if m != "float32"]:
         dtype, _, quantization = mode.partition("+")
-        ppl, tokens = measure(dtype, quantization=quantization or None)
+        ppl, tokens, decode_ppl = measure(
+            dtype, decode_path=True, quantization=quantization or None
+        )
         agree = agreement_before_divergence(ref_tokens, tokens)
         print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
+              f"through the decode path {decode_ppl:.4f} ({decode_ppl / ref_ppl - 1:+.2%}), "
               f"greedy tokens before the first divergence {agree:.1%}")  # fmt: skip
     return 0
 

@@ -3,7 +3,8 @@
 A faster dtype or a compiled step must stay close to the float32 reference; the gate
 compares perplexities on a fixed text (`tests/data/quality_text.txt`). The text runs
 through the engine's own model and attention as chunked prefill over a scratch KV
-cache, so neither the engine's cache nor its prefix-cache contents are touched.
+cache, so neither the engine's cache nor its prefix-cache contents are touched; with
+``chunk=1`` it runs one token per step, through the decode path and its kernels.
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ from engine.llm_engine import LLMEngine
 
 
 @torch.inference_mode()
-def token_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every i, float32 ``[len - 1]``."""
+def token_logprobs(
+    engine: LLMEngine, token_ids: list[int], chunk: int | None = None
+) -> torch.Tensor:
+    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every i, float32 ``[len - 1]``.
+
+    ``chunk`` tokens per forward pass (default: the engine's max_num_batched_tokens);
+    ``chunk=1`` runs the text through the decode path, one token per step.
+    """
     if len(token_ids) < 2:
         raise ValueError("need at least two tokens")
     if len(token_ids) > engine.max_model_len:
@@ -30,7 +37,7 @@ def token_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
         model.head_dim, engine.dtype, engine.device,
     )  # fmt: skip
     ids = torch.tensor(token_ids, device=engine.device)
-    chunk = engine.config.max_num_batched_tokens
+    chunk = chunk or engine.config.max_num_batched_tokens
     out = []
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
@@ -42,6 +49,6 @@ def token_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     return torch.cat(out).float()
 
 
-def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int | None = None) -> float:
     """exp of the mean negative log-likelihood of each token after the first."""
-    return math.exp(-token_logprobs(engine, token_ids).mean().item())
+    return math.exp(-token_logprobs(engine, token_ids, chunk).mean().item())

@@ -92,3 +92,22 @@ def test_a_bf16_model_step_with_fused_ops_equals_the_torch_ops(tmp_path):
         model.fused_ops = ops
     scale = plain.abs().max()
     torch.testing.assert_close(fused, plain, atol=float(scale) * 2e-2, rtol=2e-2)
+
+
+def test_long_steps_take_the_torch_ops(tmp_path, monkeypatch):
+    import engine.models.llama as llama
+
+    llm = LLM(model=str(make_tiny_model_dir(tmp_path)), dtype="bfloat16", num_blocks=16)
+    model = llm.engine.model
+    calls = []
+    monkeypatch.setattr(model, "_forward_fused", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(llama, "FUSED_MAX_TOKENS", 29)
+    ids = torch.arange(100, 130)
+    meta = AttentionMetadata.build([30], [30], [[0, 1]], 16, "cpu")
+    with torch.inference_mode():
+        model.attn_backend.prepare(meta)
+        model(ids, meta.positions, llm.engine.runner.kv_caches, meta)
+        assert not calls  # 30 tokens > 29: torch's ops
+        monkeypatch.setattr(llama, "FUSED_MAX_TOKENS", 30)
+        model(ids, meta.positions, llm.engine.runner.kv_caches, meta)
+        assert len(calls) == 1
