@@ -102,14 +102,25 @@ class LLMEngine:
         self.stats = EngineStats()
         self.load_seconds = time.perf_counter() - start
         logger.info(
-            "loaded %s (%s, %s, %s) in %.1fs; %s",
+            "loaded %s (%s, %s, %s; %s) in %.1fs; %s",
             self.model_name,
             self.hf_config.model_type,
             self.dtype,
             self.device,
+            self.compute_summary,
             self.load_seconds,
             config.describe_kv_cache(self.num_blocks),
         )
+
+    @property
+    def compute_summary(self) -> str:
+        """How the model computes here: attention backend, CPU kernels, quantization."""
+        parts = [f"attention {self.model.attn_backend.name}"]
+        if self.model.fused_ops is not None:
+            parts.append("CPU kernels (skinny GEMM, fused ops)")
+        if self.config.quantization:
+            parts.append(f"{self.config.quantization} weights")
+        return ", ".join(parts)
 
     def _num_kv_blocks(self) -> int:
         gpu_memory = self._profile_memory() if self.config.profiles_memory(self.device) else None

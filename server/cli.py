@@ -208,6 +208,7 @@ def startup_banner(engine: Any, served_name: str, host: str, port: int) -> str:
         f"pagedserve: model {served_name} ({engine.config.model or 'default'}), dtype {dtype}, "
         f"device {engine.device}, {engine.num_blocks} KV blocks of {engine.config.block_size} "
         f"tokens, max_model_len {engine.max_model_len}\n"
+        f"pagedserve: {engine.compute_summary}\n"
         f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C or SIGTERM drains and stops)"
     )
 

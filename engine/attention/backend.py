@@ -19,6 +19,8 @@ class AttentionBackend(ABC):
     what lets the layer forward be compiled.
     """
 
+    name = ""  # its registry name, set by `get_attention_backend`
+
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         if num_heads % num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")

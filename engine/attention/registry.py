@@ -69,4 +69,6 @@ def get_attention_backend(
             "AVX512-BF16, head_dim a multiple of 16 up to 256 and at most 16 query heads per "
             f"KV head; got {device}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
         )
-    return factory(num_heads, num_kv_heads)
+    backend = factory(num_heads, num_kv_heads)
+    backend.name = key
+    return backend

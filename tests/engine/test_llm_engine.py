@@ -191,8 +191,11 @@ def test_int8_engine_runs_on_int8_weights_and_greedy_does_not_depend_on_the_batc
 def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     from engine.attention import CpuPagedBackend, SdpaBackend
 
-    bf16 = LLM(model=str(model_dir), dtype="bfloat16", num_blocks=64).engine.model
+    engine = LLM(model=str(model_dir), dtype="bfloat16", num_blocks=64).engine
+    bf16 = engine.model
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
     assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
-    fp32 = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine.model
-    assert isinstance(fp32.attn_backend, SdpaBackend)
+    assert engine.compute_summary == "attention cpu-paged, CPU kernels (skinny GEMM, fused ops)"
+    fp32_engine = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine
+    assert isinstance(fp32_engine.model.attn_backend, SdpaBackend)
+    assert fp32_engine.compute_summary == "attention sdpa"
