@@ -30,11 +30,6 @@ from engine.models.linear import Linear, matmul_t
 
 __all__ = ["LlamaForCausalLM"]
 
-# Steps of up to this many tokens run a bf16 layer's small ops fused (`fused_ops`): 1.095x
-# the decode step at 1 token, 1.074x at 8, even at 32; a 500-token prefill was 1.07x slower
-# (the fused loops are scalar, torch's elementwise ops are vectorised).
-FUSED_MAX_TOKENS = 32
-
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -290,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         hidden = F.embedding(input_ids, self.embed_tokens)
-        if self.fused_ops is not None and input_ids.shape[0] <= FUSED_MAX_TOKENS:
+        if self.fused_ops is not None:
             return self._forward_fused(hidden, positions, kv_caches, meta)
         cos, sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
