@@ -51,14 +51,22 @@ def decoding_engine(
     return engine
 
 
-def step_medians_ms(engines: dict, skinny_rows: dict[str, int]) -> dict[str, float]:
-    """Median step time per engine; each steps with its own skinny-kernel row limit."""
-    from engine.models import linear
+def use_torch_ops(engine) -> None:
+    """Run this engine's matmuls and small layer ops through torch, not the CPU kernels
+    (its attention backend stays as chosen)."""
+    from engine.models.linear import Linear
 
+    model = engine.model
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.kernel = None
+    model.head_kernel = model.fused_ops = None
+
+
+def step_medians_ms(engines: dict) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(ROUNDS):
         for name, engine in engines.items():
-            linear.SKINNY_MAX_ROWS = skinny_rows[name]
             for _ in range(STEPS_PER_TURN):
                 start = time.perf_counter()
                 engine.step()
@@ -80,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     print(machine_line())
-    from engine.models import linear
-
     variants = [
         (d, b, q, k)
         for d in args.dtypes.split(",")
@@ -89,16 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.quantizations.split(",")
         for k in args.kernels.split(",")
     ]
-    rows = {"on": linear.SKINNY_MAX_ROWS, "off": 0}
     for batch in (int(b) for b in args.batch.split(",")):
-        engines, skinny_rows = {}, {}
+        engines = {}
         for d, b, q, k in variants:
             name = f"{d}/{b}/{q}/kernels-{k}"
             engines[name] = decoding_engine(d, b, batch, None if q == "none" else q)
-            skinny_rows[name] = rows[k]
             if k == "off":
-                engines[name].model.fused_ops = None
-        medians = step_medians_ms(engines, skinny_rows)
+                use_torch_ops(engines[name])
+        medians = step_medians_ms(engines)
         base = next(iter(medians.values()))
         cells = ", ".join(f"{d} {m:.1f} ms ({base / m:.2f}x)" for d, m in medians.items())
         print(f"batch {batch}: {cells}", flush=True)

@@ -72,17 +72,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a tuning choice, not placement: on CPU decode queries are gathered in groups to bound "
         "the padded key gather; both branches run correctly on either device"
     ),
-    ("engine/attention/registry.py", "cpu_paged_applies", 'device string "cpu"'): (
-        "a backend choice, not placement: the paged decode kernel is CPU code; on other "
-        "devices 'auto' resolves to sdpa"
-    ),
-    ("engine/kernels/__init__.py", "fused_cpu_ops", 'device string "cpu"'): (
-        "a kernel choice, not placement: the fused ops are CPU code; a model on another "
-        "device runs its small ops through torch, tested equal to them"
-    ),
-    ("engine/models/linear.py", "skinny_kernel_applies", 'device string "cpu"'): (
-        "a kernel choice, not placement: the skinny GEMM kernel is CPU code; tensors on other "
-        "devices take F.linear, tested equal to it"
+    ("engine/kernels/__init__.py", "bf16_cpu_kernels", 'device string "cpu"'): (
+        "a kernel choice, not placement: the kernels are CPU code; a model on another device "
+        "runs its matmuls, attention and small ops through torch, tested equal to them"
     ),
     ("engine/models/linear.py", "Linear.pack", 'device string "cpu"'): (
         "a layout choice, not placement: torch's CPU fp32 matmul is faster on [in, out] "

@@ -18,7 +18,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.sdpa import _plan_prefills, _Prefill, _sdpa_prefill
+from engine.attention.sdpa import Prefill, plan_prefills, sdpa_prefill
 from engine.kernels import cpu_kernels
 
 
@@ -36,12 +36,12 @@ class CpuPagedBackend(AttentionBackend):
         if self._kernels is None:
             raise ValueError("the cpu-paged attention backend needs AVX512-BF16 (see the log)")
         self._decodes: _Decodes | None = None
-        self._prefills: list[_Prefill] = []
+        self._prefills: list[Prefill] = []
         self._prepared = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._decodes = _plan_decodes(meta)
-        self._prefills = _plan_prefills(meta)
+        self._prefills = plan_prefills(meta)
         self._prepared = True
 
     def __call__(
@@ -63,7 +63,7 @@ class CpuPagedBackend(AttentionBackend):
                 q[decodes.rows], k_cache, v_cache, decodes, scale
             )
         for prefill in self._prefills:
-            out[prefill.tokens] = _sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
+            out[prefill.tokens] = sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
         return out
 
     def _attend_decodes(

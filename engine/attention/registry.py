@@ -11,7 +11,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import ReferenceBackend
 from engine.attention.sdpa import SdpaBackend
-from engine.kernels import cpu_kernels
+from engine.kernels import bf16_cpu_kernels
 
 # name -> factory of (num_heads, num_kv_heads): each model gets its own backend object,
 # since a backend keeps the plan of the step it last prepared.
@@ -35,12 +35,10 @@ def cpu_paged_applies(
     and a head layout the kernel handles (head_dim a multiple of 16 up to 256, at most 16
     query heads per KV head)."""
     return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and head_dim % 16 == 0
+        head_dim % 16 == 0
         and head_dim <= 256
         and num_heads // num_kv_heads <= 16
-        and cpu_kernels() is not None
+        and bf16_cpu_kernels(dtype, device) is not None
     )
 
 

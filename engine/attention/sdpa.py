@@ -28,7 +28,7 @@ from engine.attention.metadata import AttentionMetadata
 
 
 @dataclass
-class _Prefill:
+class Prefill:
     """One multi-token query (a prefill or a chunk of one) and what its SDPA call needs."""
 
     tokens: slice  # its rows of the step's flat batch
@@ -42,7 +42,7 @@ class _StepPlan:
     """What `SdpaBackend.prepare` made of one step; every layer runs it."""
 
     decodes: DecodePlan
-    prefills: list[_Prefill]
+    prefills: list[Prefill]
 
 
 class SdpaBackend(AttentionBackend):
@@ -73,7 +73,7 @@ class SdpaBackend(AttentionBackend):
             self.num_kv_heads,
             self.num_heads // self.num_kv_heads,
         )
-        self._plan = _StepPlan(decodes, _plan_prefills(meta))
+        self._plan = _StepPlan(decodes, plan_prefills(meta))
 
     def __call__(
         self,
@@ -102,11 +102,11 @@ class SdpaBackend(AttentionBackend):
                 )  # fmt: skip
                 _put(out, group, result)
         for prefill in plan.prefills:
-            out[prefill.tokens] = _sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
+            out[prefill.tokens] = sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
         return out
 
 
-def _plan_prefills(meta: AttentionMetadata) -> list[_Prefill]:
+def plan_prefills(meta: AttentionMetadata) -> list[Prefill]:
     """The step's multi-token queries; requests of one shape share one causal mask."""
     device = meta.block_tables.device
     masks: dict[tuple[int, int], torch.Tensor] = {}
@@ -123,7 +123,7 @@ def _plan_prefills(meta: AttentionMetadata) -> list[_Prefill]:
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
                 mask = masks[q_len, seq_len] = mask.tril(seq_len - q_len)
         tokens = slice(starts[r], starts[r + 1])
-        prefills.append(_Prefill(tokens, meta.block_tables[r], seq_len, mask))
+        prefills.append(Prefill(tokens, meta.block_tables[r], seq_len, mask))
     return prefills
 
 
@@ -324,11 +324,11 @@ def _sdpa_cascade_suffix(
 # --------------------------------------------------------------------------- prefills
 
 
-def _sdpa_prefill(
+def sdpa_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    prefill: _Prefill,
+    prefill: Prefill,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of one request's L new queries ``[L, h, d]`` over its S keys."""

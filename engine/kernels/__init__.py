@@ -24,6 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -57,7 +59,6 @@ def cpu_kernels() -> ModuleType | None:
     if not cpu_kernels_supported():
         return None
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
         env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
@@ -72,10 +73,9 @@ def cpu_kernels() -> ModuleType | None:
         return None
 
 
-def fused_cpu_ops(dtype, device) -> ModuleType | None:
-    """The kernels, when a model of this dtype on this device may use the fused bf16 ops."""
-    import torch
-
+def bf16_cpu_kernels(dtype: torch.dtype, device: torch.device | str) -> ModuleType | None:
+    """The kernels, when a model of this dtype on this device can use them (bf16 on a CPU
+    where they build), else None: the one place that decides it."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     return cpu_kernels()

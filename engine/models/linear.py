@@ -12,18 +12,20 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   at close to memory bandwidth (1.4-1.9x torch's matmul at 1-4 rows).
 * ``quantization="int8"`` (that CPU only): W becomes int8 with one float32 scale per
   `INT8_GROUP` weights of a row, symmetric (``W ~= q * scale``, rounded to bf16 in the
-  kernel). Half the bytes of bf16 again; more rows than `SKINNY_MAX_ROWS` (prefill)
+  kernel). Half the bytes of bf16 again; more rows than `INT8_KERNEL_MAX_ROWS` (prefill)
   multiply a bf16 copy dequantized for that call.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_kernels
+from engine.kernels import bf16_cpu_kernels
 
 # Up to this many rows the skinny kernel beats torch's bf16 matmul on the default model's
 # shapes (1.7x at 1 row, 1.4-1.9x at 4, 1.0-1.3x at 8, 0.8-1.2x at 16-32).
@@ -59,25 +61,30 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return groups.view(n, k).to(dtype)
 
 
-def skinny_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny_linear` runs ``x @ weight.T`` (else torch's matmul does)."""
-    max_rows = INT8_KERNEL_MAX_ROWS if weight.dtype == torch.int8 else SKINNY_MAX_ROWS
-    return (
-        x.shape[0] <= max_rows
-        and x.dtype == torch.bfloat16
-        and weight.dtype in (torch.bfloat16, torch.int8)
-        and x.device.type == "cpu"
-        and x.shape[-1] % 32 == 0
-        and cpu_kernels() is not None
-    )
+def kernel_for(weight: torch.Tensor) -> ModuleType | None:
+    """The skinny GEMM kernel for this ``[out, in]`` weight, decided once when it is packed:
+    bf16 (or int8, whose activations are bf16) on a CPU with the kernels, ``in`` a multiple
+    of 32; else None, and torch multiplies it."""
+    if weight.shape[1] % 32:
+        return None
+    dtype = torch.bfloat16 if weight.dtype == torch.int8 else weight.dtype
+    return bf16_cpu_kernels(dtype, weight.device)
 
 
-def matmul_t(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def project(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    kernel: ModuleType | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a bf16 or float ``[out, in]`` weight, by the faster kernel."""
-    if skinny_kernel_applies(x, weight):
-        return cpu_kernels().skinny_linear(x.contiguous(), weight, None, bias)
+    """``x @ W.T (+ bias)``: through ``kernel`` (from `kernel_for`) for a decode-sized x,
+    else torch's matmul (on the dequantized weight when ``scales`` says it is int8)."""
+    max_rows = SKINNY_MAX_ROWS if scales is None else INT8_KERNEL_MAX_ROWS
+    if kernel is not None and x.shape[0] <= max_rows:
+        return kernel.skinny_linear(x.contiguous(), weight, scales, bias)
+    if scales is not None:
+        weight = dequantize_int8(weight, scales, x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -89,6 +96,7 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
         self.scales: torch.Tensor | None = None  # int8 only: [out, in / INT8_GROUP]
+        self.kernel: ModuleType | None = None  # set by `pack`
 
     def pack(self, quantization: str | None = None) -> None:
         """Lay the loaded weight out for this device and dtype (see the module docstring)."""
@@ -105,10 +113,7 @@ class Linear(nn.Module):
             raise ValueError(f"unknown quantization {quantization!r}")
         elif w.device.type == "cpu" and w.dtype == torch.float32:
             self.weight.data = w.t().contiguous().t()
+        self.kernel = kernel_for(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scales is None:
-            return matmul_t(x, self.weight, self.bias)
-        if skinny_kernel_applies(x, self.weight):
-            return cpu_kernels().skinny_linear(x.contiguous(), self.weight, self.scales, self.bias)
-        return F.linear(x, dequantize_int8(self.weight, self.scales, x.dtype), self.bias)
+        return project(x, self.weight, self.bias, self.scales, self.kernel)

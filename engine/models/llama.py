@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
-from engine.kernels import fused_cpu_ops
-from engine.models.linear import Linear, matmul_t
+from engine.kernels import bf16_cpu_kernels
+from engine.models.linear import Linear, kernel_for, project
 
 __all__ = ["LlamaForCausalLM"]
 
@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = arch["attn_backend"]
         # bf16 on a CPU with the kernels: the layers' small ops go through engine.kernels.
         self.fused_ops = (
-            fused_cpu_ops(dtype, device)
+            bf16_cpu_kernels(dtype, device)
             if arch["act"] is F.silu and self.head_dim % 2 == 0
             else None
         )
@@ -267,6 +267,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else _param(self.vocab_size, self.hidden_size, **kw)
         )
+        self.head_kernel: ModuleType | None = None  # set by `pack_weights`
         self.rotary = RotaryEmbedding(
             hf_config, self.head_dim, self.max_position_embeddings, dtype, device
         )
@@ -308,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
-        return matmul_t(hidden, self.lm_head).float()
+        return project(hidden, self.lm_head, kernel=self.head_kernel).float()
 
     # ------------------------------------------------------------------ weights
 
@@ -348,6 +349,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for linear in layer.linears():
                 linear.pack(quantization)
+        self.head_kernel = kernel_for(self.lm_head)
 
     def _route(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str]]:
         """Map a transformers name to (our tensor, (row offset, rows) or None, shard key)."""

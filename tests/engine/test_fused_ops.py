@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine import LLM
 from engine.attention import AttentionMetadata, write_kv
-from engine.kernels import cpu_kernels, cpu_kernels_supported, fused_cpu_ops
+from engine.kernels import bf16_cpu_kernels, cpu_kernels, cpu_kernels_supported
 from engine.models.llama import apply_rotary, rms_norm
 from tests.engine.tiny_models import make_tiny_model_dir
 
@@ -77,8 +77,8 @@ def test_silu_mul_equals_silu_of_gate_times_up(rows, width):
 
 
 def test_fused_ops_only_for_bf16_on_cpu():
-    assert fused_cpu_ops(torch.bfloat16, "cpu") is cpu_kernels()
-    assert fused_cpu_ops(torch.float32, "cpu") is None
+    assert bf16_cpu_kernels(torch.bfloat16, "cpu") is cpu_kernels()
+    assert bf16_cpu_kernels(torch.float32, "cpu") is None
 
 
 def test_a_bf16_model_step_with_fused_ops_equals_the_torch_ops(tmp_path):
@@ -97,4 +97,3 @@ def test_a_bf16_model_step_with_fused_ops_equals_the_torch_ops(tmp_path):
         model.fused_ops = ops
     scale = plain.abs().max()
     torch.testing.assert_close(fused, plain, atol=float(scale) * 2e-2, rtol=2e-2)
-

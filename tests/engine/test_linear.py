@@ -12,9 +12,9 @@ from engine.models.linear import (
     INT8_GROUP,
     Linear,
     dequantize_int8,
-    matmul_t,
+    kernel_for,
+    project,
     quantize_int8,
-    skinny_kernel_applies,
 )
 
 needs_kernel = pytest.mark.skipif(
@@ -85,17 +85,39 @@ def test_int8_round_trip_error_is_at_most_half_a_step_per_group():
     assert torch.equal(back[3], torch.zeros(256))
 
 
+class _CountingKernel:
+    """Stands in for the compiled module: records the rows each call gets."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def skinny_linear(self, x, weight, scales, bias):
+        self.rows.append(x.shape[0])
+        if scales is not None:
+            weight = dequantize_int8(weight, scales, x.dtype)
+        return F.linear(x, weight, bias)
+
+
+def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, scales=None) -> bool:
+    """Whether `project` multiplies x by weight through the kernel `kernel_for` picks."""
+    if kernel_for(weight) is None:
+        return False
+    counting = _CountingKernel()
+    project(x, weight, scales=scales, kernel=counting)
+    return counting.rows == [x.shape[0]]
+
+
 def test_kernel_applies_only_to_few_bf16_rows_on_a_multiple_of_32():
     w = _bf16(8, 64, seed=0)
     rows = linear_module.SKINNY_MAX_ROWS
     expected = cpu_kernels() is not None
-    assert skinny_kernel_applies(_bf16(rows, 64, seed=0), w) is expected
-    assert not skinny_kernel_applies(_bf16(rows + 1, 64, seed=0), w)
-    assert not skinny_kernel_applies(_bf16(1, 48, seed=0), _bf16(8, 48, seed=0))
-    assert not skinny_kernel_applies(torch.randn(1, 64), torch.randn(8, 64))
-    q, _ = quantize_int8(w)
+    assert _kernel_applies(_bf16(rows, 64, seed=0), w) is expected
+    assert not _kernel_applies(_bf16(rows + 1, 64, seed=0), w)
+    assert not _kernel_applies(_bf16(1, 48, seed=0), _bf16(8, 48, seed=0))
+    assert not _kernel_applies(torch.randn(1, 64), torch.randn(8, 64))
+    q, scales = quantize_int8(w)
     int8_rows = linear_module.INT8_KERNEL_MAX_ROWS
-    assert skinny_kernel_applies(_bf16(int8_rows, 64, seed=0), q) is expected
+    assert _kernel_applies(_bf16(int8_rows, 64, seed=0), q, scales) is expected
 
 
 def _loaded(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> Linear:
@@ -135,10 +157,12 @@ def test_int8_pack_refuses_a_row_that_is_not_whole_groups():
         _loaded(64, 8, torch.bfloat16).pack("int4")
 
 
-def test_matmul_t_serves_the_lm_head_in_any_dtype():
+def test_project_serves_the_lm_head_in_any_dtype():
     head = _bf16(300, 64, seed=11)
     hidden = _bf16(2, 64, seed=12)
-    _close_to(matmul_t(hidden, head), hidden.float() @ head.float().t())
+    _close_to(project(hidden, head, kernel=kernel_for(head)), hidden.float() @ head.float().t())
+    head32 = head.float()
     torch.testing.assert_close(
-        matmul_t(hidden.float(), head.float()), F.linear(hidden.float(), head.float())
+        project(hidden.float(), head32, kernel=kernel_for(head32)),
+        F.linear(hidden.float(), head32),
     )

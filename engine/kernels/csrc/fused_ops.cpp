@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vec.h"
+
 #include <cmath>
 
 namespace {
@@ -17,43 +19,11 @@ using bf16 = at::BFloat16;
 
 inline float f(bf16 x) { return static_cast<float>(x); }
 
-constexpr int64_t kLanes = 16;
-
-inline __m512 load16(const bf16* p) {  // 16 bf16 -> 16 fp32 (exact)
-  const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 fp32 -> 16 bf16, round to nearest even (as at::BFloat16(float) rounds; no NaNs here).
-inline void store16(bf16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-inline __m512 round_bf16(__m512 v) {  // fp32 -> bf16 -> fp32: where torch rounds
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-
-// exp(x), relative error ~2e-7, inputs clamped to [-87, 88].
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using pagedserve_vec::exp_ps;
+using pagedserve_vec::kLanes;
+using pagedserve_vec::load_bf16;
+using pagedserve_vec::round_bf16;
+using pagedserve_vec::store_bf16;
 
 constexpr int64_t kRowsPerTask = 16;
 
@@ -93,7 +63,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
         const bf16* rr = rp + t * H;
         if (vec) {
           for (int64_t i = 0; i < H; i += kLanes)
-            store16(sr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+            store_bf16(sr + i, _mm512_add_ps(load_bf16(rr + i), load_bf16(xr + i)));
         } else {
           for (int64_t i = 0; i < H; ++i) sr[i] = bf16(f(rr[i]) + f(xr[i]));
         }
@@ -104,7 +74,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
       if (vec) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += kLanes) {
-          const __m512 v = load16(sr + i);
+          const __m512 v = load_bf16(sr + i);
           acc = _mm512_fmadd_ps(v, v, acc);
         }
         ss = _mm512_reduce_add_ps(acc);
@@ -116,7 +86,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
       if (vec) {
         const __m512 iv = _mm512_set1_ps(inv);
         for (int64_t i = 0; i < H; i += kLanes)
-          store16(orow + i, _mm512_mul_ps(load16(wp + i), round_bf16(_mm512_mul_ps(load16(sr + i), iv))));
+          store_bf16(orow + i, _mm512_mul_ps(load_bf16(wp + i), round_bf16(_mm512_mul_ps(load_bf16(sr + i), iv))));
       } else {
         for (int64_t i = 0; i < H; ++i) orow[i] = bf16(f(wp[i]) * f(bf16(f(sr[i]) * inv)));
       }
@@ -200,10 +170,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       bf16* o = op + t * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
-        const __m512 x = load16(g + i);
+        const __m512 x = load_bf16(g + i);
         const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+        store_bf16(o + i, _mm512_mul_ps(silu, load_bf16(u + i)));
       }
       for (; i < I; ++i) {
         const float x = f(g[i]);

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,32 +25,13 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using pagedserve_vec::exp_ps;
+using pagedserve_vec::kLanes;
+using pagedserve_vec::load_bf16;
+
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxGroup = 16;        // query heads per KV head
 constexpr int64_t kChunkTokens = 256;    // context tokens per task
-
-inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact)
-  const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their running max), relative error ~2e-7: 2^(x log2 e)
-// split into an integer (applied by scalef) and a fraction (a degree-6 polynomial).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One chunk's result for its G query heads, before normalisation: a view of its slice of
 // one flat buffer (G maxima, G sums, G x D accumulators).
