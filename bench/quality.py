@@ -63,7 +63,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="bfloat16,bfloat16+int8")
+    parser.add_argument("--modes", default="bfloat16,bfloat16+int8,bfloat16+int4")
     args = parser.parse_args(argv)
     print(machine_line())
     ref_ppl, ref_tokens = measure("float32")

@@ -31,7 +31,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")  # weight-only; see engine/models/linear.py
+# A GGUF's projections in these block types are served as int4 without loss by "auto".
+LOSSLESS_INT4_SOURCES = (["Q4_1"],)
 
 # Without an explicit budget the CPU KV cache gets 2 GiB, but never more than this share of
 # the RAM that is available at start-up (the weights and activations need the rest).
@@ -66,7 +68,9 @@ class EngineConfig:
     prefix_cache_hash: str = "builtin"
     seed: int = 0
     attention_backend: str = "auto"
-    quantization: str | None = None  # "int8": weight-only int8 (CPUs with AVX512-BF16)
+    # "int8" / "int4": weight-only (CPUs with AVX512-BF16); None or "none": off; "auto": int4
+    # where that loses nothing (a Q4_1 GGUF on such a CPU in bf16), else off.
+    quantization: str | None = "auto"
     cache_dir: str | None = None  # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
 
     def __post_init__(self) -> None:
@@ -95,10 +99,25 @@ class EngineConfig:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
+    def resolve_quantization(
+        self, device: torch.device, dtype: torch.dtype, source_types: list[str] | None
+    ) -> str | None:
+        """The weight quantization to run: as asked (checked), or for "auto" int4 when the
+        checkpoint's projections were Q4_1 blocks (``source_types``, from the loader), whose
+        weights int4 holds exactly, and the CPU kernels serve bf16 here; else none."""
+        if self.quantization == "auto":
+            lossless = source_types in LOSSLESS_INT4_SOURCES
+            fast = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels() is not None
+            return "int4" if lossless and fast else None
+        if self.quantization in (None, "none"):
+            return None
+        self.check_quantization(device, dtype)
+        return self.quantization
+
     def check_quantization(self, device: torch.device, dtype: torch.dtype) -> None:
-        """int8 weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
+        """Quantized weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
         bf16 activations: refuse the combinations it cannot serve fast."""
-        if self.quantization is None:
+        if self.quantization in (None, "none", "auto"):
             return
         if device.type != "cpu" or dtype != torch.bfloat16:
             raise ValueError(
@@ -215,7 +234,7 @@ class EngineConfig:
             f"max_num_batched_tokens={self.max_num_batched_tokens}",
             f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
         ]
-        if self.quantization is not None:
+        if self.quantization not in (None, "none", "auto"):
             parts.insert(3, f"quantization={self.quantization}")
         if num_blocks is not None:
             parts.append(self.describe_kv_cache(num_blocks))
@@ -274,8 +293,9 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
         (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
          "attention_backend",
          f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),
-        (c.quantization is None or c.quantization in QUANTIZATIONS, "quantization",
-         f"must be one of {', '.join(QUANTIZATIONS)} or None, got {c.quantization!r}"),
+        (c.quantization in (None, "none", "auto", *QUANTIZATIONS), "quantization",
+         f"must be one of auto, none, {', '.join(QUANTIZATIONS)} or None, "
+         f"got {c.quantization!r}"),
         (c.cache_dir is None or (isinstance(c.cache_dir, str) and c.cache_dir != ""), "cache_dir",
          f"must be a directory path or None, got {c.cache_dir!r}"),
     ]  # fmt: skip

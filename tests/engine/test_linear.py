@@ -1,4 +1,5 @@
-"""Projections: the skinny GEMM kernel, int8 weights, and the layout `Linear.pack` picks."""
+"""Projections: the skinny GEMM kernel, int8 and int4 weights, and the layout `Linear.pack`
+picks."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import torch.nn.functional as F
 from engine.kernels import cpu_kernels, cpu_kernels_supported
 from engine.models import linear as linear_module
 from engine.models.linear import (
+    INT4_GROUP,
     INT8_GROUP,
     Linear,
+    dequantize_int4,
     dequantize_int8,
     kernel_for,
     project,
+    quantize_int4,
     quantize_int8,
 )
 
@@ -60,6 +64,50 @@ def test_int8_kernel_equals_a_matmul_on_the_dequantized_weight(m, n, k):
     got = cpu_kernels().skinny_linear(x, q, scales, bias)
     expected = x.float() @ dequantize_int8(q, scales, torch.bfloat16).float().t() + bias.float()
     _close_to(got, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 33])  # <=4 rows exact, >4 dequantized tile
+@pytest.mark.parametrize(("n", "k"), [(1, 64), (5, 64), (13, 192), (100, 576)])
+def test_int4_kernel_equals_a_matmul_on_the_dequantized_weight(m, n, k):
+    x, w = _bf16(m, k, seed=4), _bf16(n, k, seed=5)
+    bias = _bf16(n, seed=6)
+    blocks = quantize_int4(w)
+    got = cpu_kernels().int4_linear(x, *blocks, bias)
+    expected = x.float() @ dequantize_int4(*blocks).t() + bias.float()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close_to(got, expected)
+
+
+@needs_kernel
+def test_int4_kernel_dequantizes_as_torch_does():
+    blocks = quantize_int4(_bf16(40, 192, seed=7).float())
+    got = cpu_kernels().dequantize_int4(*blocks)
+    torch.testing.assert_close(got, dequantize_int4(*blocks).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _on_a_q4_1_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF dequantizes them: q * d + m with d and m float16, every
+    block using 0 and 15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.1).half().float()
+    return (q * d + m).view(n, k)
+
+
+def test_int4_gives_back_q4_1_blocks_exactly_and_rounds_other_weights_to_half_a_step():
+    on_grid = _on_a_q4_1_grid(8, 128, seed=8)
+    assert torch.equal(dequantize_int4(*quantize_int4(on_grid)), on_grid)
+    w = _bf16(16, 128, seed=9).float()
+    w[3] = 0.5  # a constant block must not divide by zero
+    packed, scales, mins = quantize_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (16, 64)
+    assert scales.shape == mins.shape == (16, 128 // INT4_GROUP)
+    step = scales.repeat_interleave(INT4_GROUP, dim=1)
+    assert torch.all((dequantize_int4(packed, scales, mins) - w).abs() <= step / 2 + 1e-6)
+    assert torch.equal(dequantize_int4(packed, scales, mins)[3], torch.full((128,), 0.5))
 
 
 @needs_kernel
@@ -120,8 +168,10 @@ def test_kernel_applies_only_to_few_bf16_rows_on_a_multiple_of_32():
     assert _kernel_applies(_bf16(int8_rows, 64, seed=0), q, scales) is expected
 
 
-def _loaded(in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True) -> Linear:
-    layer = Linear(in_f, out_f, bias, dtype=dtype, device=torch.device("cpu"))
+def _loaded(
+    in_f: int, out_f: int, dtype: torch.dtype, bias: bool = True, quantization=None
+) -> Linear:
+    layer = Linear(in_f, out_f, bias, dtype, torch.device("cpu"), quantization)
     layer.weight.data.copy_(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(8)))
     if bias:
         layer.bias.data.copy_(torch.randn(out_f, generator=torch.Generator().manual_seed(9)))
@@ -137,24 +187,35 @@ def test_float32_pack_stores_in_by_out_and_multiplies_the_same():
     torch.testing.assert_close(layer(x), before, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 64, 65])  # kernel, torch / kernel, dequantized
-def test_bf16_and_int8_linear_equal_their_reference_at_every_row_count(rows):
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 64, 65])  # kernel paths, torch / dequantized
+def test_bf16_int8_and_int4_linears_equal_their_reference_at_every_row_count(rows):
     x = _bf16(rows, 128, seed=10)
     layer = _loaded(128, 40, torch.bfloat16)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack()
     _close_to(layer(x), x.float() @ weight.float().t() + bias.float())
-    layer.pack("int8")
-    assert layer.weight.dtype == torch.int8 and layer.scales is not None
-    deq = dequantize_int8(*quantize_int8(weight), torch.bfloat16)
-    _close_to(layer(x), x.float() @ deq.float().t() + bias.float())
+    if not cpu_kernels_supported():
+        return  # quantized weights are refused without the kernels (tests/engine/test_config.py)
+    int8 = _loaded(128, 40, torch.bfloat16, quantization="int8")
+    deq = dequantize_int8(*quantize_int8(int8.weight.detach()), torch.bfloat16)
+    int8.pack()
+    assert int8.weight.dtype == torch.int8 and int8.scales is not None
+    _close_to(int8(x), x.float() @ deq.float().t() + bias.float())
+    int4 = _loaded(128, 40, torch.bfloat16, quantization="int4")
+    assert int4.weight.dtype == torch.float32  # loaded in float32, rounded once by pack
+    deq = dequantize_int4(*quantize_int4(int4.weight.detach()))
+    int4.pack()
+    assert int4.weight.dtype == torch.uint8 and int4.mins is not None
+    _close_to(int4(x), x.float() @ deq.t() + bias.float())
 
 
-def test_int8_pack_refuses_a_row_that_is_not_whole_groups():
+def test_quantized_pack_refuses_a_row_that_is_not_whole_groups():
     with pytest.raises(ValueError, match=f"divisible by {INT8_GROUP}"):
-        _loaded(96, 8, torch.bfloat16).pack("int8")
+        _loaded(96, 8, torch.bfloat16, quantization="int8").pack()
+    with pytest.raises(ValueError, match="divisible by 64"):
+        _loaded(96, 8, torch.bfloat16, quantization="int4").pack()
     with pytest.raises(ValueError, match="unknown quantization"):
-        _loaded(64, 8, torch.bfloat16).pack("int4")
+        _loaded(64, 8, torch.bfloat16, quantization="int3")
 
 
 def test_project_serves_the_lm_head_in_any_dtype():

@@ -174,11 +174,14 @@ def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
     assert kv.num_free_blocks == eng.num_blocks
 
 
-@pytest.mark.skipif(not cpu_kernels_supported(), reason="int8 weights need AVX512-BF16")
-def test_int8_engine_runs_on_int8_weights_and_greedy_does_not_depend_on_the_batch(model_dir):
-    llm = LLM(model=str(model_dir), dtype="bfloat16", quantization="int8", num_blocks=128)
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="quantized weights need AVX512-BF16")
+@pytest.mark.parametrize(("quantization", "dtype"), [("int8", torch.int8), ("int4", torch.uint8)])
+def test_quantized_engine_runs_on_its_weights_and_greedy_does_not_depend_on_the_batch(
+    model_dir, quantization, dtype
+):
+    llm = LLM(model=str(model_dir), dtype="bfloat16", quantization=quantization, num_blocks=128)
     layers = llm.engine.model.layers
-    assert all(lin.weight.dtype == torch.int8 for layer in layers for lin in layer.linears())
+    assert all(lin.weight.dtype == dtype for layer in layers for lin in layer.linears())
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate([PROMPT], greedy)[0].token_ids
     # 1 row (kernel, in registers) alone; 9 rows (kernel, dequantized tile) in a batch.

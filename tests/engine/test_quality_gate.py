@@ -10,6 +10,10 @@ and greedy chat output that follows float32's for a stated share of its tokens (
   through pagedserve's kernels and fused ops): +0.25% as a prefill, +0.30% through the
   decode path, 60.7% of greedy tokens before the first divergence.
 * bfloat16 + int8 weights (`--quantization int8`, groups of 64): +0.50%, +0.41%, 44.5%.
+* bfloat16 + int4 weights (`--quantization int4`, the default for the default model on
+  such CPUs): +0.25%, +0.43%, 60.7%. The default model's projections are a Q4_1 GGUF's,
+  which int4 holds bit for bit (tested below), so int4 changes only the rounding: a
+  prefill multiplies the same bf16 weights as bfloat16, the decode path the exact ones.
 
 Both move with rounding alone: bf16 implementations that differ only in summation
 order (torch's ops; + the skinny GEMM; + the paged decode kernel; + the fused ops)
@@ -21,12 +25,15 @@ perplexity gate and a 40% agreement floor under the stated figures.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.quality import QUALITY_TEXT, agreement_before_divergence, measure
 from engine import LLM
 from engine.kernels import cpu_kernels_supported
+from engine.loader import iter_weights
+from engine.models.linear import dequantize_int4, quantize_int4
 from engine.perplexity import perplexity
-from tests.engine.tiny_models import cache_dir
+from tests.engine.tiny_models import cache_dir, default_model_dir
 
 SMALL_KV = {"num_blocks": 256, "cache_dir": str(cache_dir())}
 
@@ -38,7 +45,7 @@ def reference():
 
 def test_bfloat16_perplexity_within_1_percent_and_greedy_agreement(reference):
     ref_ppl, ref_tokens = reference
-    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, **SMALL_KV)
+    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, quantization="none", **SMALL_KV)
     assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
     assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
     assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
@@ -51,6 +58,25 @@ def test_int8_perplexity_within_1_percent_and_greedy_agreement(reference):
     assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
     assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
     assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
+
+
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="int4 weights need AVX512-BF16")
+def test_int4_perplexity_within_1_percent_and_greedy_agreement(reference):
+    ref_ppl, ref_tokens = reference
+    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, quantization="int4", **SMALL_KV)
+    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
+    assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
+    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
+
+
+def test_the_default_models_projections_quantize_to_int4_bit_for_bit():
+    # What makes int4 the lossless default for it: the Q4_1 GGUF's blocks come back exactly.
+    layers = [
+        w for name, w in iter_weights(default_model_dir()) if ".layers." in name and w.dim() == 2
+    ]
+    assert len(layers) == 7 * 30
+    for w in layers:
+        assert torch.equal(dequantize_int4(*quantize_int4(w.float())), w.float())
 
 
 def test_perplexity_is_the_mean_nll_whatever_the_chunking(reference):

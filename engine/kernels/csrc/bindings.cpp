@@ -4,6 +4,11 @@
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const c10::optional<torch::Tensor>& scales,
                             const c10::optional<torch::Tensor>& bias);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& mins,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor dequantize_int4(const torch::Tensor& packed, const torch::Tensor& scales,
+                              const torch::Tensor& mins);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
@@ -19,10 +24,15 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias) for a few rows of x");
+  // The kernels touch no Python object: they let go of the GIL, so the server's event
+  // loop (streaming the last step's tokens) runs while the engine thread computes.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias) for a few rows of x", nogil);
+  m.def("int4_linear", &int4_linear, "y = x @ W.T (+ bias) for a few rows of x, int4 W", nogil);
+  m.def("dequantize_int4", &dequantize_int4, "the bf16 [N, K] weight of int4 blocks", nogil);
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one query token per request against the paged bf16 KV cache");
-  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16");
-  m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16");
+        "one query token per request against the paged bf16 KV cache", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16", nogil);
 }
