@@ -130,12 +130,13 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
     return EngineConfig(**fields)
 
 
-def _load_engine(args: argparse.Namespace) -> Any:
-    """The engine, or None after printing why it could not start (bad option, bad model)."""
+def _load_engine(args: argparse.Namespace, build: Callable[[Any], Any] | None = None) -> Any:
+    """``build(config)`` (default: the `LLMEngine`), or None after printing why the engine
+    could not start (bad option, bad model)."""
     from engine import LLMEngine
 
     try:
-        return LLMEngine(engine_config_from_args(args))
+        return (build or LLMEngine)(engine_config_from_args(args))
     except (ValueError, OSError) as exc:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return None
@@ -179,10 +180,18 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = _load_engine(args)
-    if engine is None:
+    from engine import LLMEngine
+
+    # Built on the thread that steps it: one OpenMP team (server/async_engine.py says why).
+    client = _load_engine(
+        args,
+        lambda config: AsyncEngine.load(
+            lambda: LLMEngine(config), log_interval_s=args.stats_interval
+        ),
+    )
+    if client is None:
         return 2
-    client = AsyncEngine(engine, log_interval_s=args.stats_interval)
+    engine = client.engine
     app = build_app(
         client,
         served_model_name=args.served_model_name,

@@ -103,8 +103,10 @@ class _UvicornThread:
 
 
 @contextmanager
-def running_server(engine: LLMEngine, **app_kwargs: Any) -> Iterator[RunningServer]:
-    client = AsyncEngine(engine, log_interval_s=1.0)
+def running_server(
+    engine: LLMEngine, client: AsyncEngine | None = None, **app_kwargs: Any
+) -> Iterator[RunningServer]:
+    client = client or AsyncEngine(engine, log_interval_s=1.0)
     app_kwargs.setdefault("served_model_name", MODEL_NAME)
     app = build_app(client, **app_kwargs)
     thread = _UvicornThread(app)

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from server.async_engine import AsyncEngine
 from tests.server.conftest import (
     MODEL_NAME,
     assert_openai_error,
@@ -280,3 +281,38 @@ def test_an_engine_that_keeps_failing_is_declared_dead(tiny_model_dir, monkeypat
         later = http.post("/v1/completions", json=body)
         assert assert_openai_error(later, 503)["code"] == "engine_dead"
         assert not engine.has_unfinished_requests()
+
+
+def test_load_builds_the_engine_on_the_thread_that_steps_it(tiny_model_dir):
+    # One thread for all torch work keeps libgomp to one team (server/async_engine.py).
+    threads: dict[str, threading.Thread] = {}
+
+    def build():
+        threads["built"] = threading.current_thread()
+        engine = make_engine(tiny_model_dir)
+        step = engine.step
+
+        def recording_step():
+            threads["stepped"] = threading.current_thread()
+            return step()
+
+        engine.step = recording_step
+        return engine
+
+    client = AsyncEngine.load(build, log_interval_s=1.0)
+    assert threads["built"] is not threading.current_thread()
+    with running_server(client.engine, client) as s:
+        completion = s.openai().completions.create(
+            model=MODEL_NAME, prompt=random_ids(501, 8), max_tokens=4, temperature=0
+        )
+        assert completion.usage.completion_tokens == 4
+        assert threads["stepped"] is threads["built"]
+        wait_until(s.all_blocks_free, 30, "blocks were not freed")
+
+
+def test_load_raises_what_building_the_engine_raised():
+    def build():
+        raise ValueError("model 'nope' does not exist")
+
+    with pytest.raises(ValueError, match="nope"):
+        AsyncEngine.load(build)
