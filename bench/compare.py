@@ -297,9 +297,14 @@ def _tail(log: Path) -> str:
 
 def launch(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `argv` with stdout and stderr into `log` (which starts with the command line),
-    its environment ours plus `env`."""
+    its environment the user's plus `env`: not the OpenMP settings importing `engine` put
+    into ours (llama-server uses OpenMP too; it ran with pagedserve's passive waiting until
+    this was fixed), which a pagedserve child sets for itself."""
+    import engine
+
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_DEFAULTS_SET}
+    env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w", encoding="utf-8") as log_file:
         log_file.write("$ " + shlex.join(argv) + "\n")
         log_file.flush()

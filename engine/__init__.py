@@ -18,9 +18,14 @@ from typing import Any
 # knob, which it honours over the policy) made the batch-1 decode step 1.75x faster
 # (8.7 vs 15.3 ms) on a 2-core VM. Both are read once when torch loads its OpenMP
 # runtime, so they only take effect when engine is imported before torch; a user's
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# setting wins. `OPENMP_DEFAULTS_SET` holds the ones set here, which a program this
+# process starts (`bench compare`'s peers, which may use OpenMP too) must not inherit.
+OPENMP_DEFAULTS_SET = {
+    key: value
+    for key, value in {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}.items()
+    if key not in os.environ
+}
+os.environ.update(OPENMP_DEFAULTS_SET)
 
 _EXPORTS = {
     "LLM": "engine.llm",

@@ -295,3 +295,18 @@ def test_bench_subcommand_is_registered_without_importing_the_load_generator():
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "clean"
+
+
+def test_peers_start_in_the_users_environment_not_with_the_engines_openmp_defaults(
+    tmp_path: Path, monkeypatch
+):
+    import engine
+
+    monkeypatch.setattr(engine, "OPENMP_DEFAULTS_SET", {"GOMP_SPINCOUNT": "1000"})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # as if importing engine had set it
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # as if the user had set it
+    script = "import os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ['OMP_WAIT_POLICY'])"
+    log = tmp_path / "child.log"
+    proc = compare.launch([sys.executable, "-c", script], log, env={"EXTRA": "1"})
+    assert proc.wait(60) == 0
+    assert log.read_text().splitlines()[-1] == "None ACTIVE"
