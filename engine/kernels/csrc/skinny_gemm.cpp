@@ -116,9 +116,8 @@ inline void micro(const at::BFloat16* x, int64_t K, const W& w, int64_t n0, cons
 
 // The exact int4 path: MR <= 4 activation rows x NR weight rows; `sums` holds each
 // activation row's per-block sums [MR, K / 32].
-#ifndef PF
-#define PF 2
-#endif
+constexpr int64_t kPrefetchTiles = 2;  // ahead of the tile being multiplied
+
 template <int MR, int NR>
 inline void micro_int4(const at::BFloat16* x, const float* sums, int64_t K,
                        const Int4Weights& w, int64_t n0, const Out& out) {
@@ -128,10 +127,11 @@ inline void micro_int4(const at::BFloat16* x, const float* sums, int64_t K,
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 64) {
     __m512bh lo[NR], hi[NR];
-    // Rows are short (K / 2 bytes): fetch the tile after next while this one computes.
+    // Rows are short (K / 2 bytes): fetch the tile after next while this one computes
+    // (a prefetch past the end of the weights is a no-op, never a fault).
     if ((k & 127) == 0)
       for (int j = 0; j < NR; ++j)
-        _mm_prefetch((const char*)w.row(n0 + PF * NR + j) + k / 2, _MM_HINT_T0);
+        _mm_prefetch((const char*)w.row(n0 + kPrefetchTiles * NR + j) + k / 2, _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) w.load_biased(n0 + j, k, lo[j], hi[j]);
     for (int i = 0; i < MR; ++i) {
       const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + i * K + k);
@@ -214,12 +214,17 @@ inline std::vector<float> block_sums(const at::BFloat16* x, int64_t M, int64_t K
   return sums;
 }
 
+// Up to this many rows int4 takes the exact path: 1.27x the dequantized tile at 2 rows,
+// 1.4x at 3, equal at 4 (`python -m bench.skinny_gemm`).
+constexpr int64_t kInt4ExactRows = 4;
+
 void run_int4(const at::BFloat16* x, int64_t M, int64_t K, const Int4Weights& w, int64_t N,
               const Out& out) {
-  const std::vector<float> sums = M <= 4 ? block_sums(x, M, K) : std::vector<float>();
+  const std::vector<float> sums =
+      M <= kInt4ExactRows ? block_sums(x, M, K) : std::vector<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
-    if (M > 4) {
+    if (M > kInt4ExactRows) {
       for (; n + 4 <= end; n += 4) dequantized_tile<4>(x, M, K, w, n, out);
       for (; n < end; ++n) dequantized_tile<1>(x, M, K, w, n, out);
       return;
