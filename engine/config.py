@@ -32,8 +32,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
 QUANTIZATIONS = ("int8", "int4")  # weight-only; see engine/models/linear.py
-# A GGUF's projections in these block types are served as int4 without loss by "auto".
-LOSSLESS_INT4_SOURCES = (["Q4_1"],)
+
+
+class Quantization(NamedTuple):
+    """What the engine quantizes: the decoder layers' projections and the LM head."""
+
+    layers: str | None = None  # "int8", "int4"
+    head: str | None = None  # "int8": only "auto", from a GGUF's Q8_0 head
+
 
 # Without an explicit budget the CPU KV cache gets 2 GiB, but never more than this share of
 # the RAM that is available at start-up (the weights and activations need the rest).
@@ -100,19 +106,23 @@ class EngineConfig:
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
     def resolve_quantization(
-        self, device: torch.device, dtype: torch.dtype, source_types: list[str] | None
-    ) -> str | None:
-        """The weight quantization to run: as asked (checked), or for "auto" int4 when the
-        checkpoint's projections were Q4_1 blocks (``source_types``, from the loader), whose
-        weights int4 holds exactly, and the CPU kernels serve bf16 here; else none."""
+        self, device: torch.device, dtype: torch.dtype, source: dict | None
+    ) -> Quantization:
+        """The weights to quantize: as asked (checked; the head stays unquantized), or for
+        "auto" what the checkpoint's own blocks hold exactly, where the CPU kernels serve
+        bf16: int4 projections where a GGUF's were all Q4_1, an int8 head (groups of 32)
+        where its head was Q8_0. ``source``: the loader's `source_weight_types`."""
         if self.quantization == "auto":
-            lossless = source_types in LOSSLESS_INT4_SOURCES
             fast = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels() is not None
-            return "int4" if lossless and fast else None
+            source = source if fast and source else {}
+            return Quantization(
+                layers="int4" if source.get("layers") == ["Q4_1"] else None,
+                head="int8" if source.get("head") == "Q8_0" else None,
+            )
         if self.quantization in (None, "none"):
-            return None
+            return Quantization()
         self.check_quantization(device, dtype)
-        return self.quantization
+        return Quantization(layers=self.quantization)
 
     def check_quantization(self, device: torch.device, dtype: torch.dtype) -> None:
         """Quantized weights run through the skinny GEMM kernel, which needs AVX512-BF16 and

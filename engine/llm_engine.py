@@ -28,7 +28,7 @@ from engine.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model_dir,
-    source_layer_weight_types,
+    source_weight_types,
 )
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models import get_model_class
@@ -59,7 +59,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.quantization = config.resolve_quantization(
-            self.device, self.dtype, source_layer_weight_types(model_dir)
+            self.device, self.dtype, source_weight_types(model_dir)
         )
         self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
@@ -70,7 +70,8 @@ class LLMEngine:
             device=self.device,
             attn_backend=config.attention_backend,
             max_model_len=self.max_model_len,
-            quantization=self.quantization,
+            quantization=self.quantization.layers,
+            head_quantization=self.quantization.head,
         )
         model.load_weights(iter_weights(model_dir))
         model.pack_weights()
@@ -122,8 +123,10 @@ class LLMEngine:
         parts = [f"attention {self.model.attn_backend.name}"]
         if self.model.fused_ops is not None:
             parts.append("CPU kernels (skinny GEMM, fused ops)")
-        if self.quantization:
-            parts.append(f"{self.quantization} weights")
+        if self.quantization.layers:
+            parts.append(f"{self.quantization.layers} weights")
+        if self.quantization.head:
+            parts.append(f"{self.quantization.head} LM head")
         return ", ".join(parts)
 
     def _num_kv_blocks(self) -> int:

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -46,7 +47,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 CACHE_ENV = "PAGEDSERVE_CACHE"
 SOURCE_FILE = "pagedserve_source.json"  # written last into a converted dir: where it came from
-LAYER_TYPES_KEY = "layer_weight_types"  # in SOURCE_FILE: the GGUF's projection block types
+TYPES_KEY = "gguf_weight_types"  # in SOURCE_FILE: `gguf_weight_types` of the GGUF
 _TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
@@ -144,14 +145,14 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
     sha256 = file_sha256(gguf_path)
     target = converted_dir_for(gguf_path, cache_dir, sha256)
     if target.is_dir():
-        _record_layer_weight_types(target, gguf_path)
+        _record_weight_types(target, gguf_path)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
-        layer_types = _dequantize_gguf_to_hf_dir(gguf_path, tmp)
-        source = {"gguf": str(gguf_path), "sha256": sha256, LAYER_TYPES_KEY: layer_types}
+        types = _dequantize_gguf_to_hf_dir(gguf_path, tmp)
+        source = {"gguf": str(gguf_path), "sha256": sha256, TYPES_KEY: types}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
         _apply_umask(tmp)
         try:
@@ -164,33 +165,37 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
     return target
 
 
-def gguf_layer_weight_types(gguf_path: Path) -> list[str]:
-    """The GGUF block types of the decoder layers' 2-D weights (the projections), sorted."""
+def gguf_weight_types(gguf_path: Path) -> dict[str, Any]:
+    """The GGUF block types that decide what pagedserve can serve as it is: ``layers``, those
+    of the decoder layers' 2-D weights (the projections), sorted; ``head``, the LM head's
+    (``output.weight``, else the tied ``token_embd.weight``)."""
     from gguf import GGUFReader
 
-    tensors = GGUFReader(gguf_path).tensors
-    return sorted(
-        {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
-    )
+    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    layers = {
+        t.tensor_type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2
+    }
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    return {"layers": sorted(layers), "head": head.tensor_type.name if head is not None else None}
 
 
-def source_layer_weight_types(model_dir: str | os.PathLike) -> list[str] | None:
-    """For a directory converted from a GGUF, the block types its projections had there
-    (e.g. ["Q4_1"]); None for any other model directory."""
+def source_weight_types(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """For a directory converted from a GGUF, `gguf_weight_types` of that GGUF (e.g.
+    ``{"layers": ["Q4_1"], "head": "Q8_0"}``); None for any other model directory."""
     file = Path(model_dir) / SOURCE_FILE
     if not file.is_file():
         return None
-    return _read_json(file).get(LAYER_TYPES_KEY)
+    return _read_json(file).get(TYPES_KEY)
 
 
-def _record_layer_weight_types(target: Path, gguf_path: Path) -> None:
-    """Add the layer weight types to a conversion cached before they were recorded (atomic
+def _record_weight_types(target: Path, gguf_path: Path) -> None:
+    """Add the weight types to a conversion cached before they were recorded (atomic
     replace, so a concurrent reader sees the old file or the new one)."""
     file = target / SOURCE_FILE
     source = _read_json(file) if file.is_file() else {}
-    if LAYER_TYPES_KEY in source:
+    if TYPES_KEY in source:
         return
-    source[LAYER_TYPES_KEY] = gguf_layer_weight_types(gguf_path)
+    source[TYPES_KEY] = gguf_weight_types(gguf_path)
     tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
@@ -200,9 +205,9 @@ def _record_layer_weight_types(target: Path, gguf_path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> list[str]:
+def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     """Load the GGUF through transformers in float32 (lossless) and write a plain HF dir;
-    returns the block types its projections had (`gguf_layer_weight_types`)."""
+    returns the block types it had (`gguf_weight_types`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -223,7 +228,7 @@ def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> list[str]:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         tokenizer.save_pretrained(str(out_dir))
         bar.update()
-    return gguf_layer_weight_types(gguf_path)
+    return gguf_weight_types(gguf_path)
 
 
 def _dequantize_kwargs() -> dict:

@@ -26,9 +26,14 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
 from engine.kernels import bf16_cpu_kernels
-from engine.models.linear import Linear, kernel_for, project
+from engine.models.linear import Linear, kernel_for, project, quantize_int8
 
 __all__ = ["LlamaForCausalLM"]
+
+# The int8 LM head: Q8_0's block, and the rows where its kernel beats the bf16 one
+# (1.4-1.6x at 1-4 rows, 0.7-1.0x at 8: `python -m bench.skinny_gemm`).
+HEAD_INT8_GROUP = 32
+HEAD_INT8_MAX_ROWS = 4
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -233,6 +238,7 @@ class LlamaForCausalLM(nn.Module):
         attn_backend: str = "auto",
         max_model_len: int | None = None,
         quantization: str | None = None,  # of the decoder layers' projections
+        head_quantization: str | None = None,  # "int8": the LM head in groups of 32 as well
     ) -> None:
         super().__init__()
         device = torch.device(device) if device is not None else torch.get_default_device()
@@ -271,6 +277,13 @@ class LlamaForCausalLM(nn.Module):
             else _param(self.vocab_size, self.hidden_size, **kw)
         )
         self.head_kernel: ModuleType | None = None  # set by `pack_weights`
+        if head_quantization not in (None, "int8"):
+            raise ValueError(f"unknown head quantization {head_quantization!r}")
+        self.head_quantization = head_quantization
+        # int8 head: (q, scales) quantized by `load_weights` from the checkpoint's float32
+        # tensor, so a GGUF's Q8_0 blocks come back exactly; the bf16 head stays for
+        # prefill-sized calls (and is the embedding when tied).
+        self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.rotary = RotaryEmbedding(
             hf_config, self.head_dim, self.max_position_embeddings, dtype, device
         )
@@ -312,6 +325,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
+        if self.head_int8 is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
+            q, scales = self.head_int8
+            return project(hidden, q, scales=scales, kernel=self.head_kernel).float()
         return project(hidden, self.lm_head, kernel=self.head_kernel).float()
 
     # ------------------------------------------------------------------ weights
@@ -337,6 +353,10 @@ class LlamaForCausalLM(nn.Module):
                     f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+            if self.head_quantization and dest is self.lm_head:
+                self.head_int8 = tuple(  # type: ignore[assignment]
+                    t.to(dest.device) for t in quantize_int8(tensor.float(), group=HEAD_INT8_GROUP)
+                )
             loaded.add(name)
             filled.add(shard)
         missing = sorted(f"{p}[{s}]" if s else p for p, s in self._expected_shards() - filled)
@@ -348,7 +368,8 @@ class LlamaForCausalLM(nn.Module):
         """After `load_weights`: lay each projection out for this device, dtype and
         quantization (see `engine.models.linear`). The LM head stays in the model dtype:
         it is the tied embedding, and quantizing it too cost greedy agreement (31% vs 50%
-        of tokens before the first divergence, for 20% of the weight bytes)."""
+        of tokens before the first divergence, for 20% of the weight bytes), unless
+        ``head_quantization`` asked for int8, which only `auto` does where it is exact."""
         for layer in self.layers:
             for linear in layer.linears():
                 linear.pack()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import config as config_module
-from engine.config import EngineConfig, GpuMemory, gpu_kv_cache_budget
+from engine.config import EngineConfig, GpuMemory, Quantization, gpu_kv_cache_budget
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; bf16 is 2 bytes.
 # One block of 16 tokens = 2 (K, V) * 30 * 16 * 3 * 64 * 2 bytes.
@@ -171,21 +171,24 @@ def test_quantization_without_the_kernel_is_refused_naming_the_cpu(monkeypatch, 
     EngineConfig().check_quantization(torch.device("cpu"), torch.float32)  # nothing asked
 
 
-def test_auto_quantization_is_int4_only_where_it_is_lossless_and_fast(monkeypatch):
+def test_auto_quantization_is_what_the_checkpoints_blocks_hold_exactly(monkeypatch):
     monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     auto = EngineConfig()
     assert auto.quantization == "auto"
-    assert auto.resolve_quantization(cpu, bf16, ["Q4_1"]) == "int4"  # a Q4_1 GGUF
-    assert auto.resolve_quantization(cpu, bf16, None) is None  # a Hugging Face checkpoint
-    assert auto.resolve_quantization(cpu, bf16, ["Q4_1", "Q6_K"]) is None  # mixed blocks
-    assert auto.resolve_quantization(cpu, torch.float32, ["Q4_1"]) is None  # the reference
-    assert auto.resolve_quantization(torch.device("cuda"), bf16, ["Q4_1"]) is None
+    gguf = {"layers": ["Q4_1"], "head": "Q8_0"}  # the default model
+    assert auto.resolve_quantization(cpu, bf16, gguf) == Quantization("int4", "int8")
+    assert auto.resolve_quantization(cpu, bf16, None) == Quantization()  # Hugging Face dir
+    mixed = {"layers": ["Q4_1", "Q6_K"], "head": "Q6_K"}
+    assert auto.resolve_quantization(cpu, bf16, mixed) == Quantization()
+    assert auto.resolve_quantization(cpu, torch.float32, gguf) == Quantization()  # reference
+    assert auto.resolve_quantization(torch.device("cuda"), bf16, gguf) == Quantization()
     for off in (None, "none"):
-        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, ["Q4_1"]) is None
-    assert EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, None) == "int8"
+        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, gguf) == (None, None)
+    asked = EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, gguf)
+    assert asked == Quantization("int8", None)  # asked for: the head stays as it is
     monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
-    assert auto.resolve_quantization(cpu, bf16, ["Q4_1"]) is None  # no AVX512-BF16 here
+    assert auto.resolve_quantization(cpu, bf16, gguf) == Quantization()  # no AVX512-BF16
 
 
 def test_bytes_per_block():

@@ -49,8 +49,9 @@ def test_default_model_is_converted_into_a_complete_hf_dir():
         assert (model_dir / name).is_file(), name
     source = json.loads((model_dir / loader.SOURCE_FILE).read_text())
     assert source["sha256"] == loader.file_sha256(default_gguf_path())
-    assert source[loader.LAYER_TYPES_KEY] == ["Q4_1"]  # what `quantization="auto"` reads
-    assert loader.source_layer_weight_types(model_dir) == ["Q4_1"]
+    types = {"layers": ["Q4_1"], "head": "Q8_0"}  # what `quantization="auto"` reads
+    assert source[loader.TYPES_KEY] == types
+    assert loader.source_weight_types(model_dir) == types
     assert model_dir.name.endswith(source["sha256"][:16])
     assert not list(model_dir.parent.glob(".tmp-*"))
 

@@ -79,6 +79,21 @@ def test_the_default_models_projections_quantize_to_int4_bit_for_bit():
         assert torch.equal(dequantize_int4(*quantize_int4(w.float())), w.float())
 
 
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="the int8 head needs AVX512-BF16")
+def test_the_default_int8_head_gives_the_bf16_heads_logits_exactly():
+    # The default model's head is a Q8_0 tensor: int8 in groups of 32 holds it bit for
+    # bit, and the kernel rounds each weight to the bf16 the bf16 head stores.
+    engine = LLM(**SMALL_KV).engine
+    assert engine.compute_summary.endswith("int4 weights, int8 LM head")
+    model = engine.model
+    hidden = torch.randn(3, model.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    with_int8 = model.compute_logits(hidden)
+    head_int8, model.head_int8 = model.head_int8, None
+    assert torch.equal(with_int8, model.compute_logits(hidden))
+    assert head_int8 is not None and head_int8[0].dtype == torch.int8
+
+
 def test_perplexity_is_the_mean_nll_whatever_the_chunking(reference):
     # Chunked prefill over the scratch cache: 64-token chunks give the same number.
     llm = LLM(dtype="float32", max_num_batched_tokens=64, **SMALL_KV)
