@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --backends sdpa-nocascade,sdpa
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int8 \
         --kernels off,on --batch 1,4,8
+    .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int4,auto
 
 One engine per variant, each with `batch` requests of 300 random prompt tokens
 decoding; the engines step in turns (6 steps each, 8 rounds) in one process, so a noisy
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--backends", default="auto")
-    parser.add_argument("--quantizations", default="none", help="e.g. none,int8")
+    parser.add_argument(
+        "--quantizations", default="none", help="e.g. none,int8,int4,auto (auto: the default)"
+    )
     parser.add_argument(
         "--kernels",
         default="on",
