@@ -19,6 +19,7 @@ import torch
 from engine.attention import ATTENTION_BACKENDS
 from engine.kernels import cpu_flags, cpu_kernels
 from engine.loader import DEFAULT_MODEL_NAME
+from engine.models.linear import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -31,7 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
-QUANTIZATIONS = ("int8", "int4")  # weight-only; see engine/models/linear.py
 
 
 class Quantization(NamedTuple):
@@ -127,7 +127,7 @@ class EngineConfig:
     def check_quantization(self, device: torch.device, dtype: torch.dtype) -> None:
         """Quantized weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
         bf16 activations: refuse the combinations it cannot serve fast."""
-        if self.quantization in (None, "none", "auto"):
+        if self.quantization not in QUANTIZATIONS:  # none, or auto (which checks itself)
             return
         if device.type != "cpu" or dtype != torch.bfloat16:
             raise ValueError(
@@ -244,7 +244,7 @@ class EngineConfig:
             f"max_num_batched_tokens={self.max_num_batched_tokens}",
             f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
         ]
-        if self.quantization not in (None, "none", "auto"):
+        if self.quantization in QUANTIZATIONS:
             parts.insert(3, f"quantization={self.quantization}")
         if num_blocks is not None:
             parts.append(self.describe_kv_cache(num_blocks))

@@ -114,9 +114,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend")
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
                    help="weight-only int8, or int4 in Q4_1's blocks (CPUs with AVX512-BF16); "
-                        "auto (default): int4 for a Q4_1 GGUF there (lossless), else none")  # fmt: skip
+                        "auto (default): what a GGUF's own Q4_1 / Q8_0 blocks hold exactly, "
+                        "else none")  # fmt: skip
     g.add_argument("--cache-dir", help="where converted models are kept")
 
 
@@ -182,13 +183,11 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     from engine import LLMEngine
 
-    # Built on the thread that steps it: one OpenMP team (server/async_engine.py says why).
-    client = _load_engine(
-        args,
-        lambda config: AsyncEngine.load(
-            lambda: LLMEngine(config), log_interval_s=args.stats_interval
-        ),
-    )
+    def load_on_the_engine_thread(config: Any) -> AsyncEngine:
+        # One thread for all torch work: one OpenMP team (server/async_engine.py says why).
+        return AsyncEngine.load(lambda: LLMEngine(config), log_interval_s=args.stats_interval)
+
+    client = _load_engine(args, load_on_the_engine_thread)
     if client is None:
         return 2
     engine = client.engine

@@ -19,10 +19,10 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   Up to 4 rows the kernel multiplies without rounding the weights at all; a 4.5x smaller
   read than bf16, which is what a decode step waits on. A model converted from a Q4_1
   GGUF (the default model) quantizes back to its own blocks: lossless.
+* anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
 int4 layers load their weights in float32, so they are rounded once, by the quantizer
 (rounding to bf16 first would move a Q4_1 model's weights off their grid).
-* anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ INT8_GROUP = 64
 # INT4_KERNEL_MAX_ROWS; beyond that (prefill) torch multiplies a dequantized copy.
 INT4_GROUP = 32
 INT4_KERNEL_MAX_ROWS = 64
+QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -153,7 +154,7 @@ class Linear(nn.Module):
         quantization: str | None = None,
     ) -> None:
         super().__init__()
-        if quantization not in (None, "int8", "int4"):
+        if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}")
         self.quantization = quantization
         load_dtype = torch.float32 if quantization == "int4" else dtype  # see the docstring

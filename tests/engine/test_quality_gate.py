@@ -43,27 +43,20 @@ def reference():
     return measure("float32", **SMALL_KV)
 
 
-def test_bfloat16_perplexity_within_1_percent_and_greedy_agreement(reference):
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels_supported(), reason="quantized weights need AVX512-BF16"
+)
+
+
+@pytest.mark.parametrize(
+    "quantization", ["none", pytest.param("int8", marks=needs_kernels),
+                     pytest.param("int4", marks=needs_kernels)],
+)  # fmt: skip
+def test_bfloat16_modes_perplexity_within_1_percent_and_greedy_agreement(reference, quantization):
     ref_ppl, ref_tokens = reference
-    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, quantization="none", **SMALL_KV)
-    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
-
-
-@pytest.mark.skipif(not cpu_kernels_supported(), reason="int8 weights need AVX512-BF16")
-def test_int8_perplexity_within_1_percent_and_greedy_agreement(reference):
-    ref_ppl, ref_tokens = reference
-    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, quantization="int8", **SMALL_KV)
-    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
-
-
-@pytest.mark.skipif(not cpu_kernels_supported(), reason="int4 weights need AVX512-BF16")
-def test_int4_perplexity_within_1_percent_and_greedy_agreement(reference):
-    ref_ppl, ref_tokens = reference
-    ppl, tokens, decode_ppl = measure("bfloat16", decode_path=True, quantization="int4", **SMALL_KV)
+    ppl, tokens, decode_ppl = measure(
+        "bfloat16", decode_path=True, quantization=quantization, **SMALL_KV
+    )
     assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
     assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
     assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
