@@ -258,6 +258,33 @@ void run(const at::BFloat16* x, int64_t M, int64_t K, const W& w, int64_t N, con
   });
 }
 
+// Argument checks shared by the entry points.
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be a contiguous 2-D bfloat16 tensor");
+}
+
+const at::BFloat16* bias_data(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous());
+  return bias->data_ptr<at::BFloat16>();
+}
+
+// packed [N, K / 2] uint8 (see Int4Weights); scales and mins [N, K / 32] float32.
+Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scales,
+                         const torch::Tensor& mins) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2,
+              "packed must be a contiguous uint8 [N, K / 2] tensor");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == N && t->size(1) * 32 == K,
+                "scales and mins must be contiguous float32 [N, K / 32] tensors");
+  return Int4Weights{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                     K};
+}
+
 }  // namespace
 
 // x [M, K] bf16; weight [N, K] bf16, or int8 with scales [N, K / group] float32;
@@ -265,19 +292,13 @@ void run(const at::BFloat16* x, int64_t M, int64_t K, const W& w, int64_t N, con
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
                             const c10::optional<torch::Tensor>& scales,
                             const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 tensor");
+  check_x(x);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "weight must be a contiguous [N, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(K % kStep == 0, "K must be a multiple of 32");
-  const at::BFloat16* b = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous());
-    b = bias->data_ptr<at::BFloat16>();
-  }
   auto y = torch::empty({M, N}, x.options());
-  const Out out{y.data_ptr<at::BFloat16>(), b, N};
+  const Out out{y.data_ptr<at::BFloat16>(), bias_data(bias, N), N};
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   if (weight.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(!scales, "bf16 weights take no scales");
@@ -295,46 +316,26 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
   return y;
 }
 
-// x [M, K] bf16; packed [N, K / 2] uint8 (see Int4Weights); scales and mins [N, K / 32]
-// float32; bias [N] bf16 or None. K must be a multiple of 64.
+// x [M, K] bf16; int4 blocks as `int4_weights` takes them; bias [N] bf16 or None.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& mins,
                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(1) * 2 == K,
-              "packed must be a contiguous uint8 [N, K / 2] tensor");
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) == N && t->size(1) * 32 == K,
-                "scales and mins must be contiguous float32 [N, K / 32] tensors");
-  const at::BFloat16* b = nullptr;
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous());
-    b = bias->data_ptr<at::BFloat16>();
-  }
+  check_x(x);
+  const Int4Weights w = int4_weights(packed, scales, mins);
+  TORCH_CHECK(w.K == x.size(1), "x must have K = 2 * packed.size(1) columns");
+  const int64_t M = x.size(0), N = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
-  run_int4(x.data_ptr<at::BFloat16>(), M, K,
-           Int4Weights{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                       mins.data_ptr<float>(), K},
-           N, Out{y.data_ptr<at::BFloat16>(), b, N});
+  run_int4(x.data_ptr<at::BFloat16>(), M, w.K, w, N,
+           Out{y.data_ptr<at::BFloat16>(), bias_data(bias, N), N});
   return y;
 }
 
 // The bf16 weight [N, K] of int4 blocks (for prefill-sized matmuls, which torch runs).
 torch::Tensor dequantize_int4(const torch::Tensor& packed, const torch::Tensor& scales,
                               const torch::Tensor& mins) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2);
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(K % 64 == 0 && scales.is_contiguous() && mins.is_contiguous() &&
-              scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat &&
-              scales.numel() == N * (K / 32) && mins.numel() == N * (K / 32));
+  const Int4Weights w = int4_weights(packed, scales, mins);
+  const int64_t N = packed.size(0), K = w.K;
   auto out = torch::empty({N, K}, packed.options().dtype(at::kBFloat16));
-  const Int4Weights w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                      mins.data_ptr<float>(), K};
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
