@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = {}
         for d, b, q, k in variants:
             name = f"{d}/{b}/{q}/kernels-{k}"
-            engines[name] = decoding_engine(d, b, batch, None if q == "none" else q)
+            engines[name] = decoding_engine(d, b, batch, q)
             if k == "off":
                 use_torch_ops(engines[name])
         medians = step_medians_ms(engines)
