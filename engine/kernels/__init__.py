@@ -13,6 +13,8 @@ lock.
   attention straight from the paged cache (`csrc/paged_decode.cpp`)
 * ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``: the small ops around a bf16 layer's
   matmuls, one call each (`csrc/fused_ops.cpp`)
+* ``DecodeStack``: a decode-only step's decoder layers in one call, through the kernels
+  above (`csrc/decode_stack.cpp`)
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "skinny_gemm.cpp", "paged_decode.cpp", "fused_ops.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "skinny_gemm.cpp",
+    "paged_decode.cpp",
+    "fused_ops.cpp",
+    "decode_stack.cpp",
+)
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
 CPU_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})

@@ -111,6 +111,14 @@ def kernel_for(weight: torch.Tensor) -> ModuleType | None:
     return bf16_cpu_kernels(dtype, weight.device)
 
 
+def kernel_max_rows(scales: torch.Tensor | None, mins: torch.Tensor | None = None) -> int:
+    """The most rows of x the kernel multiplies, by weight format (bf16: no scales; int8:
+    scales; int4: scales and mins); torch's matmul takes larger calls."""
+    if mins is not None:
+        return INT4_KERNEL_MAX_ROWS
+    return SKINNY_MAX_ROWS if scales is None else INT8_KERNEL_MAX_ROWS
+
+
 def project(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -120,8 +128,7 @@ def project(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)``: through ``kernel`` (from `kernel_for`) for a decode-sized x,
     else torch's matmul (on the dequantized weight when ``scales`` says it is int8)."""
-    max_rows = SKINNY_MAX_ROWS if scales is None else INT8_KERNEL_MAX_ROWS
-    if kernel is not None and x.shape[0] <= max_rows:
+    if kernel is not None and x.shape[0] <= kernel_max_rows(scales):
         return kernel.skinny_linear(x.contiguous(), weight, scales, bias)
     if scales is not None:
         weight = dequantize_int8(weight, scales, x.dtype)
@@ -138,7 +145,7 @@ def project_int4(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for int4 blocks: the kernel for a decode-sized x, else torch's
     matmul on the weight dequantized to bf16 for this call."""
-    if x.shape[0] <= INT4_KERNEL_MAX_ROWS:
+    if x.shape[0] <= kernel_max_rows(scales, mins):
         return kernel.int4_linear(x.contiguous(), packed, scales, mins, bias)
     return F.linear(x, kernel.dequantize_int4(packed, scales, mins), bias)
 
@@ -183,6 +190,11 @@ class Linear(nn.Module):
         elif w.device.type == "cpu" and w.dtype == torch.float32:
             self.weight.data = w.t().contiguous().t()
         self.kernel = kernel_for(self.weight)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """The most rows `forward` sends through the kernel (0: it has none)."""
+        return 0 if self.kernel is None else kernel_max_rows(self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mins is not None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+from engine.attention.cpu_paged import CpuPagedBackend
 from engine.kernels import bf16_cpu_kernels
 from engine.models.linear import Linear, kernel_for, project, quantize_int8
 
@@ -277,6 +278,9 @@ class LlamaForCausalLM(nn.Module):
             else _param(self.vocab_size, self.hidden_size, **kw)
         )
         self.head_kernel: ModuleType | None = None  # set by `pack_weights`
+        # A decode-only step's layers in one native call (set by `pack_weights` where the
+        # fused ops and the cpu-paged backend serve): (the stack, the most rows it takes).
+        self.decode_stack: tuple[Any, int] | None = None
         if head_quantization not in (None, "int8"):
             raise ValueError(f"unknown head quantization {head_quantization!r}")
         self.head_quantization = head_quantization
@@ -318,6 +322,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         ops = self.fused_ops
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, D]
+        num_tokens = hidden.shape[0]
+        if (
+            self.decode_stack is not None
+            and meta.num_decodes == meta.num_reqs == num_tokens
+            and num_tokens <= self.decode_stack[1]
+        ):
+            return self.decode_stack[0].forward(
+                hidden, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            )  # fmt: skip
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer.forward_fused(ops, hidden, residual, cos, sin, kv_cache, meta)
@@ -374,6 +388,34 @@ class LlamaForCausalLM(nn.Module):
             for linear in layer.linears():
                 linear.pack()
         self.head_kernel = kernel_for(self.lm_head)
+        self.decode_stack = self._build_decode_stack()
+
+    def _build_decode_stack(self) -> tuple[Any, int] | None:
+        """`forward_fused`'s layers as one native object, for decode-only steps of up to as
+        many rows as every projection sends through its kernel; None where the fused ops,
+        the cpu-paged backend or a kernel for every projection is missing."""
+        ops = self.fused_ops
+        linears = [linear for layer in self.layers for linear in layer.linears()]
+        max_rows = min((linear.kernel_max_rows for linear in linears), default=0)
+        if ops is None or not isinstance(self.attn_backend, CpuPagedBackend) or max_rows == 0:
+            return None
+
+        def projection(linear: Linear) -> Any:
+            return ops.Projection(linear.weight, linear.scales, linear.mins, linear.bias)
+
+        layers = [
+            ops.DecoderLayer(
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                *(projection(linear) for linear in layer.linears()),
+            )  # fmt: skip
+            for layer in self.layers
+        ]
+        stack = ops.DecodeStack(
+            layers, self.norm, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            self.layers[0].scale if self.layers else 1.0,
+        )  # fmt: skip
+        return stack, max_rows
 
     def _route(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str]]:
         """Map a transformers name to (our tensor, (row offset, rows) or None, shard key)."""

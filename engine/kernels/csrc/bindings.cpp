@@ -1,27 +1,5 @@
 // The CPU kernels as one Python module (engine/kernels/__init__.py builds and loads it).
-#include <torch/extension.h>
-
-torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                            const c10::optional<torch::Tensor>& scales,
-                            const c10::optional<torch::Tensor>& bias);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scales, const torch::Tensor& mins,
-                          const c10::optional<torch::Tensor>& bias);
-torch::Tensor dequantize_int4(const torch::Tensor& packed, const torch::Tensor& scales,
-                              const torch::Tensor& mins);
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale);
-
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const c10::optional<torch::Tensor>& residual,
-                                                      const torch::Tensor& weight, double eps);
-torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
-                            const torch::Tensor& sin, torch::Tensor& k_cache,
-                            torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-                            int64_t num_heads, int64_t num_kv_heads);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+#include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: they let go of the GIL, so the server's event
@@ -35,4 +13,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16", nogil);
+
+  py::class_<Projection>(m, "Projection")
+      .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"));
+  py::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection,
+                    Projection>(),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("forward", &DecodeStack::forward, "a decode-only step's layers and final norm", nogil);
 }

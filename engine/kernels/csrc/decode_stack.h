@@ -1,0 +1,39 @@
+// See decode_stack.cpp.
+#pragma once
+
+#include "kernels.h"
+
+#include <vector>
+
+// One projection as `engine.models.linear.Linear` packs it: bf16, int8 (+ scales) or
+// int4 (+ scales and mins), with an optional bias.
+struct Projection {
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> scales, mins, bias;
+  Projection(torch::Tensor weight, c10::optional<torch::Tensor> scales,
+             c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_attention_norm;
+  Projection qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+  // hidden: the step's embedded tokens [T, hidden], one per request, all decoding; cos,
+  // sin: [T, head_dim] -> the final-normed hidden states [T, hidden].
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos,
+                        const torch::Tensor& sin, std::vector<torch::Tensor> k_caches,
+                        std::vector<torch::Tensor> v_caches, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const;
+
+ private:
+  std::vector<DecoderLayer> layers_;
+  torch::Tensor final_norm_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
