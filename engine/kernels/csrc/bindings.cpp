@@ -14,16 +14,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16", nogil);
 
-  py::class_<Projection>(m, "Projection")
+  // module_local: a second build of this module (another environment, a benchmark's
+  // A/B copy) can be loaded next to this one.
+  py::class_<Projection>(m, "Projection", py::module_local())
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>>(),
            py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"));
-  py::class_<DecoderLayer>(m, "DecoderLayer")
+  py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection,
                     Projection>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"));
-  py::class_<DecodeStack>(m, "DecodeStack")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
