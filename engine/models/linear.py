@@ -14,10 +14,10 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   `INT8_GROUP` weights of a row, symmetric (``W ~= q * scale``, rounded to bf16 in the
   kernel). Half the bytes of bf16 again; more rows than `INT8_KERNEL_MAX_ROWS` (prefill)
   multiply a bf16 copy dequantized for that call.
-* ``quantization="int4"`` (that CPU only): llama.cpp's Q4_1 blocks, ``W ~= q * d + m`` with
-  q in 0..15 and a float16 d and m per `INT4_GROUP` weights of a row, two q to a byte.
-  Up to 4 rows the kernel multiplies without rounding the weights at all; 5 bits a
-  weight, a 3.2x smaller read than bf16, which is what a decode step waits on. A model converted from a Q4_1
+* ``quantization="int4"`` (that CPU only): llama.cpp's Q4_1 shape, ``W ~= q * d + m`` with
+  q in 0..15 and a float32 d and m per `INT4_GROUP` weights of a row, two q to a byte.
+  Up to 4 rows the kernel multiplies without rounding the weights at all; a 2.7x smaller
+  read than bf16 (6 bits a weight), which is what a decode step waits on. A model converted from a Q4_1
   GGUF (the default model) quantizes back to its own blocks: lossless.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
@@ -77,21 +77,18 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def quantize_int4(
     weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> (uint8 ``[N, K / 2]``, d and m float16 ``[N, K / 32]``) as Q4_1 does:
-    per 32 weights m = min, d = (max - min) / 15, both stored in float16 as Q4_1 stores
-    them, q = round((w - m) / d). Each 64 weights pack into 32 bytes, byte j holding q[j]
-    (low nibble) and q[32 + j] (high nibble)."""
+    """``[N, K]`` -> (uint8 ``[N, K / 2]``, d and m float32 ``[N, K / 32]``) as Q4_1 does:
+    per 32 weights m = min, d = (max - min) / 15, q = round((w - m) / d). Each 64 weights
+    pack into 32 bytes, byte j holding q[j] (low nibble) and q[32 + j] (high nibble)."""
     n, k = weight.shape
     if k % 64:
         raise ValueError(f"int4 quantization needs in_features divisible by 64, got {k}")
     blocks = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
-    mins = blocks.amin(-1).half()
-    scales = ((blocks.amax(-1) - mins.float()) / 15).half()
-    if not (torch.isfinite(mins).all() and torch.isfinite(scales).all()):
-        raise ValueError("int4 quantization needs weights within float16's range")
-    step = torch.where(scales > 0, scales, torch.ones_like(scales)).float()
-    q = torch.round((blocks - mins.float()[..., None]) / step[..., None]).clamp_(0, 15)
-    q = q.to(torch.uint8).view(n, k // 64, 2, INT4_GROUP)
+    mins = blocks.amin(-1)
+    scales = (blocks.amax(-1) - mins) / 15
+    step = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((blocks - mins[..., None]) / step[..., None]).clamp_(0, 15).to(torch.uint8)
+    q = q.view(n, k // 64, 2, INT4_GROUP)
     packed = q[:, :, 0] | (q[:, :, 1] << 4)
     return packed.reshape(n, k // 2).contiguous(), scales.contiguous(), mins.contiguous()
 
@@ -101,7 +98,7 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     n = packed.shape[0]
     chunks = packed.view(n, -1, INT4_GROUP)
     q = torch.stack((chunks & 15, chunks >> 4), dim=2).view(n, -1, INT4_GROUP).float()
-    return (q * scales.float()[..., None] + mins.float()[..., None]).view(n, -1)
+    return (q * scales[..., None] + mins[..., None]).view(n, -1)
 
 
 def kernel_for(weight: torch.Tensor) -> ModuleType | None:

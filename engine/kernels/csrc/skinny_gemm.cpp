@@ -8,7 +8,7 @@
 //
 // Weights are bf16, or int8 with one float32 scale per `group` consecutive weights of a row
 // (dequantized in registers: q * scale, rounded to bf16, then the same bf16 dot product),
-// or int4: llama.cpp's Q4_1 blocks, w = d * q + m with q in 0..15 and a float16 d and m per
+// or int4: llama.cpp's Q4_1 shape, w = d * q + m with q in 0..15 and a float32 d and m per
 // 32 weights of a row (see Int4Weights).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -47,23 +47,17 @@ struct Int8Weights {
   }
 };
 
-// One float16 -> float32 in one instruction (at::Half's own conversion is bit twiddling).
-inline float half_to_float(at::Half h) {
-  return _mm_cvtss_f32(_mm_maskz_cvtph_ps(1, _mm_cvtsi32_si128(h.x)));
-}
-
 // int4 weights, 64 to a 32-byte chunk of a row: byte j holds q[j] in its low nibble and
 // q[32 + j] in its high one, so one chunk unpacks to two blocks of 32 in order.
 //
 // Up to 4 activation rows take the exact path (`micro_int4`): OR-ing a nibble into 0x4300
 // gives the bf16 of 128 + q exactly, so a block's dot product is d * dot(128 + q, x) +
 // (m - 128 d) * sum(x), with no rounding of the weights at all. Five integer ops unpack 64
-// weights; with d and m in float16 the weights are 5 bits each, 3.2x fewer bytes than
-// bf16, which is what a decode step reads.
+// weights; the weights are 6 bits each, 2.7x fewer bytes than bf16, which is what a decode step reads.
 struct Int4Weights {
-  const uint8_t* w;        // [N, K / 2]
-  const at::Half* scales;  // [N, K / 32]: d
-  const at::Half* mins;    // [N, K / 32]: m
+  const uint8_t* w;     // [N, K / 2]
+  const float* scales;  // [N, K / 32]: d
+  const float* mins;    // [N, K / 32]: m
   int64_t K;
   inline const uint8_t* row(int64_t n) const { return w + n * (K / 2); }
   // The chunk at k (a multiple of 64) as bf16 of 128 + q: lo = k .. k+31, hi = k+32 .. k+63.
@@ -81,8 +75,8 @@ struct Int4Weights {
     load_biased(n, k & ~int64_t(63), lo, hi);
     const __m512i q = (__m512i)((k & 63) ? hi : lo);  // 32 x (0x4300 | q)
     const int64_t b = n * (K / 32) + k / 32;
-    const __m512 d = _mm512_set1_ps(half_to_float(scales[b]));
-    const __m512 m = _mm512_set1_ps(half_to_float(mins[b]));
+    const __m512 d = _mm512_set1_ps(scales[b]);
+    const __m512 m = _mm512_set1_ps(mins[b]);
     auto half = [&](__m256i h) {  // 16 bf16 of 128 + q -> 16 fp32 of q (exact) -> d * q + m
       const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
       return _mm512_fmadd_ps(_mm512_sub_ps(v, _mm512_set1_ps(128.f)), d, m);
@@ -124,30 +118,17 @@ inline void micro(const at::BFloat16* x, int64_t K, const W& w, int64_t n0, cons
 // activation row's per-block sums [MR, K / 32].
 constexpr int64_t kPrefetchTiles = 2;  // ahead of the tile being multiplied
 
-// 16 float16 at p -> 16 fp32, the first `count` of them (the rest 0).
-inline __m512 load_halves(const at::Half* p, int64_t count) {
-  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
-
 template <int MR, int NR>
 inline void micro_int4(const at::BFloat16* x, const float* sums, int64_t K,
                        const Int4Weights& w, int64_t n0, const Out& out) {
   const int64_t G = K / 32;
-  // The tile's d in float32, converted once into L1: the inner loop broadcasts them.
-  thread_local std::vector<float> d_buffer;
-  d_buffer.resize(NR * G + 16);
-  float* const d_tile = d_buffer.data();
-  for (int j = 0; j < NR; ++j)
-    for (int64_t b = 0; b < G; b += 16)
-      _mm512_storeu_ps(d_tile + j * G + b, load_halves(w.scales + (n0 + j) * G + b, G - b));
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   // The scales and mins are streams of their own, read once per block and row: without
   // this they arrive late, and the step's projections took 1.45x as long.
   const int64_t ahead = (n0 + kPrefetchTiles * NR) * G;
-  for (int64_t b = 0; b < NR * G; b += 32) {
+  for (int64_t b = 0; b < NR * G; b += 16) {
     _mm_prefetch((const char*)(w.scales + ahead + b), _MM_HINT_T0);
     _mm_prefetch((const char*)(w.mins + ahead + b), _MM_HINT_T0);
   }
@@ -163,7 +144,7 @@ inline void micro_int4(const at::BFloat16* x, const float* sums, int64_t K,
       const __m512bh xa = (__m512bh)_mm512_loadu_si512(x + i * K + k);
       const __m512bh xb = (__m512bh)_mm512_loadu_si512(x + i * K + k + 32);
       for (int j = 0; j < NR; ++j) {
-        const float* d = d_tile + j * G + k / 32;
+        const float* d = w.scales + (n0 + j) * G + k / 32;
         const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo[j], xa);
         const __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), hi[j], xb);
         acc[i][j] = _mm512_fmadd_ps(a, _mm512_set1_ps(d[0]), acc[i][j]);
@@ -172,19 +153,19 @@ inline void micro_int4(const at::BFloat16* x, const float* sums, int64_t K,
     }
   }
   for (int j = 0; j < NR; ++j) {
-    const float* d = d_tile + j * G;
-    const at::Half* m = w.mins + (n0 + j) * G;
+    const float* d = w.scales + (n0 + j) * G;
+    const float* m = w.mins + (n0 + j) * G;
     for (int i = 0; i < MR; ++i) {
-      // sum over blocks of (m - 128 d) * sum(x), added before the one reduction
-      __m512 total = acc[i][j];
+      // sum over blocks of (m - 128 d) * sum(x)
+      __m512 corr = _mm512_setzero_ps();
       for (int64_t b = 0; b < G; b += 16) {
         const __mmask16 mask = G - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - b)) - 1);
         const __m512 dv = _mm512_maskz_loadu_ps(mask, d + b);
+        const __m512 mv = _mm512_maskz_loadu_ps(mask, m + b);
         const __m512 sv = _mm512_maskz_loadu_ps(mask, sums + i * G + b);
-        const __m512 corr = _mm512_fnmadd_ps(dv, _mm512_set1_ps(128.f), load_halves(m + b, G - b));
-        total = _mm512_fmadd_ps(corr, sv, total);
+        corr = _mm512_fmadd_ps(_mm512_fnmadd_ps(dv, _mm512_set1_ps(128.f), mv), sv, corr);
       }
-      float v = _mm512_reduce_add_ps(total);
+      float v = _mm512_reduce_add_ps(acc[i][j]) + _mm512_reduce_add_ps(corr);
       if (out.bias) v += float(out.bias[n0 + j]);
       out.y[i * out.N + n0 + j] = at::BFloat16(v);
     }
@@ -296,7 +277,7 @@ const at::BFloat16* bias_data(const c10::optional<torch::Tensor>& bias, int64_t 
   return bias->data_ptr<at::BFloat16>();
 }
 
-// packed [N, K / 2] uint8 (see Int4Weights); scales and mins [N, K / 32] float16.
+// packed [N, K / 2] uint8 (see Int4Weights); scales and mins [N, K / 32] float32.
 Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scales,
                          const torch::Tensor& mins) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2,
@@ -304,11 +285,11 @@ Int4Weights int4_weights(const torch::Tensor& packed, const torch::Tensor& scale
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(K % 64 == 0, "K must be a multiple of 64");
   for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
                     t->size(0) == N && t->size(1) * 32 == K,
-                "scales and mins must be contiguous float16 [N, K / 32] tensors");
-  return Int4Weights{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                     mins.data_ptr<at::Half>(), K};
+                "scales and mins must be contiguous float32 [N, K / 32] tensors");
+  return Int4Weights{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                     K};
 }
 
 }  // namespace
