@@ -44,6 +44,15 @@ class CpuPagedBackend(AttentionBackend):
         self._prefills = plan_prefills(meta)
         self._prepared = True
 
+    def decode_only_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a prepared step whose every query is a decode (row r is request r): the
+        block tables and context lengths the decode kernel reads; else None."""
+        if not self._prepared:
+            raise RuntimeError("CpuPagedBackend.prepare(meta) must run before the step's layers")
+        if self._decodes is None or self._prefills:
+            return None
+        return self._decodes.block_tables, self._decodes.seq_lens
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -55,7 +64,7 @@ class CpuPagedBackend(AttentionBackend):
         if not self._prepared:
             raise RuntimeError("CpuPagedBackend.prepare(meta) must run before the step's layers")
         decodes = self._decodes
-        if decodes is not None and not self._prefills:  # a decode-only step: no scatter
+        if self.decode_only_tables() is not None:  # no scatter
             return self._attend_decodes(q, k_cache, v_cache, decodes, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decodes is not None:

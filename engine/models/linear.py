@@ -16,9 +16,9 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   multiply a bf16 copy dequantized for that call.
 * ``quantization="int4"`` (that CPU only): llama.cpp's Q4_1 shape, ``W ~= q * d + m`` with
   q in 0..15 and a float32 d and m per `INT4_GROUP` weights of a row, two q to a byte.
-  Up to 4 rows the kernel multiplies without rounding the weights at all; a 2.7x smaller
-  read than bf16 (6 bits a weight), which is what a decode step waits on. A model converted from a Q4_1
-  GGUF (the default model) quantizes back to its own blocks: lossless.
+  Up to 4 rows the kernel multiplies without rounding the weights at all; 6 bits a weight,
+  a 2.7x smaller read than bf16, which is what a decode step waits on. A model converted
+  from a Q4_1 GGUF (the default model) quantizes back to its own blocks: lossless.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
 int4 layers load their weights in float32, so they are rounded once, by the quantizer

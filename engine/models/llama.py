@@ -322,16 +322,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         ops = self.fused_ops
         cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [T, D]
-        num_tokens = hidden.shape[0]
-        if (
-            self.decode_stack is not None
-            and meta.num_decodes == meta.num_reqs == num_tokens
-            and num_tokens <= self.decode_stack[1]
-        ):
-            return self.decode_stack[0].forward(
-                hidden, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            )  # fmt: skip
+        if self.decode_stack is not None and hidden.shape[0] <= self.decode_stack[1]:
+            tables = self.attn_backend.decode_only_tables()
+            if tables is not None:
+                return self.decode_stack[0].forward(
+                    hidden, cos, sin, kv_caches, meta.slot_mapping, *tables
+                )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer.forward_fused(ops, hidden, residual, cos, sin, kv_cache, meta)
@@ -413,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
         ]
         stack = ops.DecodeStack(
             layers, self.norm, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-            self.layers[0].scale if self.layers else 1.0,
+            self.head_dim**-0.5,  # as each layer's `scale`
         )  # fmt: skip
         return stack, max_rows
 

@@ -23,24 +23,25 @@ DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_n
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
 
 torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, std::vector<torch::Tensor> k_caches,
-                                   std::vector<torch::Tensor> v_caches,
+                                   const torch::Tensor& sin,
+                                   const std::vector<KVCache>& kv_caches,
                                    const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_tables,
                                    const torch::Tensor& seq_lens) const {
   const size_t n = layers_.size();
-  TORCH_CHECK(k_caches.size() == n && v_caches.size() == n, "one K and one V cache per layer");
+  TORCH_CHECK(kv_caches.size() == n, "one (K, V) cache per layer");
   const int64_t T = hidden.size(0);
   // The residual stream is carried apart from each layer's output (see forward_fused).
   torch::Tensor delta = hidden;
   c10::optional<torch::Tensor> residual;
   for (size_t i = 0; i < n; ++i) {
     const DecoderLayer& layer = layers_[i];
+    torch::Tensor k_cache = kv_caches[i].first, v_cache = kv_caches[i].second;  // handles
     auto [x, stream] = add_rms_norm(delta, residual, layer.input_norm, eps_);
-    const torch::Tensor q = rope_write_kv(layer.qkv(x), cos, sin, k_caches[i], v_caches[i],
+    const torch::Tensor q = rope_write_kv(layer.qkv(x), cos, sin, k_cache, v_cache,
                                           slot_mapping, num_heads_, num_kv_heads_);
     const torch::Tensor attn =
-        paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens, scale_);
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_);
     const torch::Tensor o = layer.o(attn.view({T, num_heads_ * head_dim_}));
     auto [y, stream2] = add_rms_norm(o, stream, layer.post_attention_norm, eps_);
     delta = layer.down(silu_mul(layer.gate_up(y)));

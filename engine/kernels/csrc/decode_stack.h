@@ -3,6 +3,7 @@
 
 #include "kernels.h"
 
+#include <utility>
 #include <vector>
 
 // One projection as `engine.models.linear.Linear` packs it: bf16, int8 (+ scales) or
@@ -20,6 +21,9 @@ struct DecoderLayer {
   Projection qkv, o, gate_up, down;
 };
 
+// A layer's (K, V) cache, as the model runner holds them.
+using KVCache = std::pair<torch::Tensor, torch::Tensor>;
+
 class DecodeStack {
  public:
   DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm, int64_t num_heads,
@@ -27,9 +31,9 @@ class DecodeStack {
   // hidden: the step's embedded tokens [T, hidden], one per request, all decoding; cos,
   // sin: [T, head_dim] -> the final-normed hidden states [T, hidden].
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                        const torch::Tensor& sin, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches, const torch::Tensor& slot_mapping,
-                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const;
+                        const torch::Tensor& sin, const std::vector<KVCache>& kv_caches,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                        const torch::Tensor& seq_lens) const;
 
  private:
   std::vector<DecoderLayer> layers_;
