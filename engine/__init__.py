@@ -35,6 +35,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
     "SamplingParams": "scheduler.sampling_params",
+    "StructuredOutputs": "scheduler.structured_outputs",
     "fits_context": "scheduler.config",
     "StepError": "engine.errors",
 }

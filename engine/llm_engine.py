@@ -35,6 +35,7 @@ from engine.models import get_model_class
 from engine.models.llama import sliding_window
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager
 from scheduler import (
     Request,
     RequestStatus,
@@ -87,8 +88,16 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids
+        )
         self.runner = ModelRunner(
-            self.model, kv_caches, config.block_size, self.device, config.max_num_batched_tokens
+            self.model,
+            kv_caches,
+            config.block_size,
+            self.device,
+            config.max_num_batched_tokens,
+            self.structured_outputs,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -178,7 +187,11 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; ValueError (naming the limit) when it can never run."""
+        """Queue a request; ValueError (naming the limit) when it can never run.
+
+        A request with structured outputs compiles its grammar here unless it is cached:
+        the server compiles it beforehand on another thread, so the step never waits.
+        """
         self._check_prompt(prompt_token_ids, params)
         request = Request(
             request_id,
@@ -187,7 +200,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
         )
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)  # GrammarError first
         self.scheduler.add_request(request)
+        self.structured_outputs.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params
         )
@@ -214,6 +230,7 @@ class LLMEngine:
         for rid in request_ids:
             self._detokenizers.pop(rid, None)
             self._logprobs.pop(rid, None)
+            self.structured_outputs.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -249,7 +266,9 @@ class LLMEngine:
         # The scheduler already stopped it on eos or a stop token id: that token's text is left out.
         stop_token = req.status is RequestStatus.FINISHED_STOPPED
         new_text, hit_stop = detok.add_token(sampled.token_id, is_stop_token=stop_token)
-        if hit_stop and not req.is_finished:
+        # A grammar that is complete (or that the token broke) ends the request as a stop.
+        grammar_done = self.structured_outputs.accept(req.request_id, sampled.token_id)
+        if (hit_stop or grammar_done) and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         elif req.is_finished and not stop_token:
             new_text += detok.finish()
@@ -270,6 +289,7 @@ class LLMEngine:
         if req.is_finished:
             self._detokenizers.pop(req.request_id, None)
             self._logprobs.pop(req.request_id, None)
+            self.structured_outputs.remove(req.request_id)
         return output
 
     def _record_logprob(

@@ -17,6 +17,7 @@ from engine.attention import AttentionMetadata
 from engine.config import uses_pinned_memory
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, make_generator, to_token_logprobs
+from engine.structured_output import StructuredOutputManager
 from scheduler import SchedulerOutput
 
 
@@ -34,8 +35,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         max_num_batched_tokens: int,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs  # the grammar mask of constrained rows
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -95,6 +98,7 @@ class ModelRunner:
             generators,
             [r.eos_token_ids for r in requests],
             self.device,
+            grammar=self.structured_outputs.bitmask(requests) if self.structured_outputs else None,
         )
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()

@@ -6,7 +6,8 @@ Order of operations (vLLM's):
    report the model's own distribution, so they do not depend on sampling knobs.
 2. logit_bias; 3. min_tokens (eos and stop_token_ids to -inf);
 4. penalties: repetition (HF), then frequency and presence (OpenAI);
-5. greedy rows: argmax. Sampling rows: temperature, top-k, top-p, min-p, then an
+5. the grammar mask of constrained rows (tokens their grammar forbids to -inf);
+6. greedy rows: argmax. Sampling rows: temperature, top-k, top-p, min-p, then an
    inverse-CDF draw from one uniform number per row; a seeded request takes its
    number from its own generator, so its token does not depend on the rest of the batch.
 
@@ -65,14 +66,19 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Bias, min_tokens and penalties: the logits greedy rows take the argmax of.
+        """Bias, min_tokens, penalties and grammars: the logits greedy rows take the argmax of.
 
-        One copy of the logits at most; everything else is sparse, in place on the copy.
+        One copy of the logits at most; everything else is sparse or per row, in place on
+        the copy.
         """
         if meta.penalties is not None:
             # An extra column absorbs the -1 padding of the penalties' token id lists.
             work = torch.nn.functional.pad(logits, (0, 1))
-        elif meta.logit_bias is not None or meta.min_tokens_mask is not None:
+        elif (
+            meta.logit_bias is not None
+            or meta.min_tokens_mask is not None
+            or meta.grammar is not None
+        ):
             work = logits.clone()
         else:
             return logits
@@ -83,7 +89,9 @@ class Sampler:
             _apply_sparse_(work, meta.min_tokens_mask, vocab_size, add=False)
         if meta.penalties is not None:
             apply_penalties_(work, meta.penalties, vocab_size)
-            return work[:, :vocab_size]
+            work = work[:, :vocab_size]
+        if meta.grammar is not None:
+            meta.grammar.apply_(work)
         return work
 
     @staticmethod

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.bitmask import GrammarBitmask
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -76,6 +80,8 @@ class SamplingMetadata:
     min_tokens_mask: SparseLogitEdits | None  # tokens forced to -inf this step
     # Top-N width for logprobs (max over the batch); None when no request wants logprobs.
     max_num_logprobs: int | None
+    # The tokens each constrained row's grammar allows next; None when no row has a grammar.
+    grammar: GrammarBitmask | None = None
 
     @classmethod
     def build(
@@ -86,6 +92,7 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         eos_token_ids: Sequence[frozenset[int]],
         device: torch.device | str,
+        grammar: GrammarBitmask | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's settings; row i is request i.
 
@@ -118,6 +125,7 @@ class SamplingMetadata:
             logit_bias=_logit_bias(params, device),
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids, device),
             max_num_logprobs=max(wanted) if wanted else None,
+            grammar=grammar,
         )
 
 

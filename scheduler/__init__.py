@@ -5,6 +5,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.structured_outputs import StructuredOutputs
 
 __all__ = [
     "Request",
@@ -14,5 +15,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StructuredOutputs",
     "fits_context",
 ]

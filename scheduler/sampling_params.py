@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from scheduler.structured_outputs import StructuredOutputs
+
 MAX_LOGPROBS = 20
 
 
@@ -32,6 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match this (a JSON schema, a regex, ...); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     # The sampler divides or multiplies float32 logits by the penalty: far outside this
     # range a logit overflows to inf (1e-300 is 0 in float32) and sampling returns garbage,

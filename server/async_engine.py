@@ -30,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +171,10 @@ class AsyncEngine:
         # Engine-thread state: which stream each live request belongs to, and its timeline.
         self._streams: dict[str, RequestStream] = {}
         self._times: dict[str, RequestTimes] = {}
+        # Grammars compile here, never on the engine thread (see `compile_grammar`).
+        self._compile_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
+        )
 
     @classmethod
     def load(cls, build: Callable[[], Any], **kwargs: Any) -> AsyncEngine:
@@ -248,6 +254,9 @@ class AsyncEngine:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
+        structured = getattr(self.engine, "structured_outputs", None)
+        if structured is not None:  # build the grammar backend before the first request needs it
+            self._compile_pool.submit(lambda: structured.grammars)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -275,6 +284,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self.begin_shutdown()
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         if self._loop is None:  # never started: a thread from `load` waits, as a daemon
             return
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -299,6 +309,18 @@ class AsyncEngine:
             stream.abort()  # the client left while we waited: the add may have gone through
             raise
         return stream
+
+    async def compile_grammar(self, spec: Any) -> None:
+        """Compile a request's grammar (or find it cached) before the request is submitted.
+
+        On the compile thread: a request whose grammar compiles waits here, while the engine
+        thread goes on stepping everyone else. Raises the engine's GrammarError (a ValueError
+        with the compiler's message) when the spec cannot be compiled.
+        """
+        structured = self.engine.structured_outputs
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._compile_pool, structured.compile, spec)
+        self.metrics.on_grammar(result.cache_hit, result.seconds)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread (e.g. reset_prefix_cache) and return its result."""
@@ -516,6 +538,14 @@ class AsyncEngine:
         # RuntimeError: the loop closed between the check and the call.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(fn, *args)
+
+
+def _lower_thread_priority() -> None:
+    """Give the compile thread a lower priority than the engine's: on a 2-core machine a
+    large schema's compile would otherwise take a core from the step while it runs.
+    Linux applies a nice value per thread (its id), and threads it starts inherit it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 class _EngineBroken(RuntimeError):

@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: messages through the model's chat template, n choices.
 
 Streaming sends, per choice, a first chunk with `delta: {"role": "assistant",
-"content": ""}`, then content deltas, and a last chunk carrying its
-`finish_reason`; then the usage chunk if asked, then `[DONE]`.
+"content": ""}`, then content and tool-call deltas, and a last chunk carrying its
+`finish_reason`; then the usage chunk if asked, then `[DONE]`. Tools and output
+constraints: `server/tool_calls.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
     UsageInfo,
+    at_most_one_constraint,
     make_usage,
 )
 from server.serving import (
@@ -35,24 +36,30 @@ from server.serving import (
     check_request,
     choice_index,
     clamp_logprob,
+    compile_constraint,
     engine_requests_for_prompt,
     respond,
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
+from server.tool_calls import ToolCallReader, finish_reason, template_tools, tool_constraint
 
 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request
 ) -> Response:
     check_request(ctx, req, "/v1/chat/completions", num_prompts=1)
+    found = [c for c in (req.structured_output(), tool_constraint(req)) if c is not None]
+    constraint = at_most_one_constraint(found)
+    tools = template_tools(req, getattr(ctx.tokenizer, "chat_template", None))
     text = apply_chat_template(
-        ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False
+        ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False, tools
     )
     prompt_ids = encode_chat(ctx.tokenizer, text)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
-        "messages",
+        "messages", structured,
     )  # fmt: skip
     view = _ChatView(ctx, req, request_id, len(prompt_ids))
     return await respond(ctx, engine_requests, view, bool(req.stream), raw_request)
@@ -106,11 +113,12 @@ class _ChatView:
         choices = []
         for index in range(self.n):
             out = finals[f"{self.request_id}-{index}"]
+            message = ToolCallReader(self.req).message(out.text)
             choices.append(ChatChoice(
                 index=index,
-                message=ChatMessage(content=out.text),
+                message=message,
                 logprobs=self._logprobs(out.logprobs),
-                finish_reason=out.finish_reason,
+                finish_reason=finish_reason(out.finish_reason, bool(message.tool_calls)),
             ))  # fmt: skip
         return ChatCompletionResponse(
             id=self.request_id,
@@ -134,20 +142,35 @@ class _ChatView:
             role = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
             yield self._chunk([role])
         pending: dict[int, list[TokenLogprob]] = defaultdict(list)  # held back with the text
+        readers = [ToolCallReader(self.req) for _ in range(self.n)]
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
             index = choice_index(out.request_id)
             pending[index].extend(out.new_logprobs or [])
+            reader = readers[index]
+            delta = reader.feed(out.new_text)
             if out.finished:
                 finals[out.request_id] = out
-            if not (out.new_text or out.finished):
-                continue  # text held back (a stop string may be starting)
+                delta = _merge(delta, reader.finish())
+            if not (delta or out.finished):
+                continue  # text held back (a stop string or a tool call may be starting)
+            reason = finish_reason(out.finish_reason, reader.made_calls) if out.finished else None
             choice = ChatChunkChoice(
                 index=index,
-                delta={"content": out.new_text} if out.new_text else {},
+                delta=delta,
                 logprobs=self._logprobs(pending.pop(index)),
-                finish_reason=out.finish_reason if out.finished else None,
+                finish_reason=reason,
             )
             yield self._chunk([choice])
         if self.req.include_usage:
             yield self._chunk([], usage=self._usage(finals))
+
+
+def _merge(first: dict, then: dict) -> dict:
+    """Two deltas as one: their content joined, their tool calls in order."""
+    merged = dict(first)
+    if "content" in then:
+        merged["content"] = merged.get("content", "") + then["content"]
+    if "tool_calls" in then:
+        merged["tool_calls"] = merged.get("tool_calls", []) + then["tool_calls"]
+    return merged

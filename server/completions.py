@@ -29,6 +29,7 @@ from server.serving import (
     check_request,
     choice_index,
     clamp_logprob,
+    compile_constraint,
     engine_requests_for_prompt,
     respond,
 )
@@ -40,6 +41,7 @@ async def create_completion(
 ) -> Response:
     prompts = req.prompt_list()
     check_request(ctx, req, "/v1/completions", len(prompts))
+    constraint = req.structured_output()
     vocab_size = ctx.engine.vocab_size
     prompt_ids = [encode_prompt(ctx.tokenizer, p, vocab_size, "prompt") for p in prompts]
     echo = (
@@ -48,11 +50,12 @@ async def create_completion(
         else None
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    structured = await compile_constraint(ctx, constraint)
     engine_requests = [
         r
         for i, ids in enumerate(prompt_ids)
         for r in engine_requests_for_prompt(
-            ctx, req, request_id, i, ids, req.max_tokens, req.logprobs, "prompt"
+            ctx, req, request_id, i, ids, req.max_tokens, req.logprobs, "prompt", structured
         )
     ]
     view = _CompletionView(ctx, req, request_id, prompt_ids, echo)

@@ -41,6 +41,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ITERATION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                           5.0, 10.0, 30.0)  # fmt: skip
 
 # The cumulative EngineStats fields mirrored as Prometheus counters.
 _CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
@@ -109,7 +111,22 @@ class ServerMetrics:
         self.iteration_requests = Histogram(
             PREFIX + "iteration_requests", "Requests batched per engine step.",
             buckets=ITERATION_REQUEST_BUCKETS, registry=r)  # fmt: skip
+        self.grammar_compile = Histogram(
+            PREFIX + "grammar_compile_seconds",
+            "Time to compile a structured-output grammar (cache misses only).",
+            buckets=GRAMMAR_COMPILE_BUCKETS, registry=r)  # fmt: skip
+        self.grammar_requests = Counter(
+            PREFIX + "grammar_requests", "Structured-output grammars asked for, by cache result.",
+            ["cache"], registry=r)  # fmt: skip
+        for result in ("hit", "miss"):
+            self.grammar_requests.labels(cache=result)
         self._last = EngineStats()
+
+    def on_grammar(self, cache_hit: bool, seconds: float) -> None:
+        """A grammar was looked up (any thread): a hit, or a miss that took `seconds`."""
+        self.grammar_requests.labels(cache="hit" if cache_hit else "miss").inc()
+        if not cache_hit:
+            self.grammar_compile.observe(seconds)
 
     # -- engine thread ---------------------------------------------------------------
 

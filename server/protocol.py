@@ -3,7 +3,7 @@
 Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups:
 
 * supported: declared below and honoured;
-* known but not supported (`suffix`, `best_of` != n, tools, structured output, ...):
+* known but not supported (`suffix`, `best_of` != n, `functions`, ...):
   listed in `UNSUPPORTED_*`; a request that sets one to a non-empty value is a 400,
   never silently ignored;
 * anything else: kept by `extra="allow"`, ignored, and named in a logged warning
@@ -12,13 +12,14 @@ Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from engine import SamplingParams, fits_context
+from engine import SamplingParams, StructuredOutputs, fits_context
 from server.errors import bad_request
 
 MAX_N = 128
@@ -33,12 +34,9 @@ LOGIT_BIAS_LIMIT = 100.0
 # vLLM-style extras and OpenAI fields this server cannot honour.
 _UNSUPPORTED_COMMON = (
     "prompt_logprobs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "structured_outputs",
+    "guided_decoding_backend",  # there is one backend, xgrammar
+    "guided_whitespace_pattern",
+    "structural_tag",
     "allowed_token_ids",
     "bad_words",
     "use_beam_search",
@@ -48,9 +46,8 @@ _UNSUPPORTED_COMMON = (
     "return_tokens_as_token_ids",
     "logits_processors",
 )
-UNSUPPORTED_COMPLETION = ("suffix", "response_format", *_UNSUPPORTED_COMMON)
+UNSUPPORTED_COMPLETION = ("suffix", *_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT = (
-    "tools",
     "functions",
     "function_call",
     "audio",
@@ -209,6 +206,88 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+# ------------------------------------------------------------------- structured outputs
+
+JsonSchemaValue = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: JsonSchemaValue | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParam(OpenAIBaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: JsonSchemaValue | str | None = Field(default=None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
+    json_object: bool | None = None
+
+
+def _json_schema_value(value: JsonSchemaValue | str, param: str) -> JsonSchemaValue:
+    """vLLM accepts a schema as an object or as JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise bad_request(f"`{param}` is not valid JSON: {exc}", param=param) from None
+    if not isinstance(parsed, dict | bool):
+        raise bad_request(f"`{param}` must be a JSON schema object.", param=param)
+    return parsed
+
+
+def _from_structured_outputs(so: StructuredOutputsParam) -> tuple[StructuredOutputs, str]:
+    given = [
+        (name, value)
+        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar), ("json_object", so.json_object or None))
+        if value is not None
+    ]  # fmt: skip
+    if len(given) != 1:
+        raise bad_request(
+            "`structured_outputs` takes exactly one of json, regex, choice, grammar and "
+            f"json_object; got {len(given)}.",
+            param="structured_outputs",
+        )
+    name, value = given[0]
+    param = f"structured_outputs.{name}"
+    return _structured(name, value, param), param
+
+
+def _structured(kind: str, value: Any, param: str, strict: bool = True) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs.json_schema(_json_schema_value(value, param), strict)
+    if kind == "choice":
+        return StructuredOutputs.choices(list(value))
+    if kind == "json_object":
+        return StructuredOutputs("json_object")
+    return StructuredOutputs(kind, value)  # type: ignore[arg-type]
+
+
+def _from_response_format(rf: ResponseFormat) -> tuple[StructuredOutputs, str] | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputs("json_object"), "response_format"
+    param = "response_format.json_schema"
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise bad_request("`response_format` of type json_schema needs `json_schema.schema`.",
+                          param=param)  # fmt: skip
+    strict = rf.json_schema.strict is not False
+    param = f"{param}.schema"
+    return _structured("json", rf.json_schema.schema_, param, strict), param
+
+
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
 _STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"type": "object"}, "stream", True)
 
@@ -240,6 +319,14 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     cache_salt: NonEmptyStr | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the older
+    # guided_* names (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: JsonSchemaValue | str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
 
     @property
     def num_choices(self) -> int:
@@ -248,6 +335,19 @@ class SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_output(self) -> tuple[StructuredOutputs, str] | None:
+        """The output constraint and the field it came from; 400 when more than one is set."""
+        found = []
+        if self.response_format is not None:
+            found.append(_from_response_format(self.response_format))
+        if self.structured_outputs is not None:
+            found.append(_from_structured_outputs(self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((_structured(kind, value, f"guided_{kind}"), f"guided_{kind}"))
+        return at_most_one_constraint([f for f in found if f is not None])
 
     def check_common(self, vocab_size: int, max_model_len: int) -> None:
         """Checks SamplingParams.verify does not make: token ids the model can index, and
@@ -269,7 +369,12 @@ class SamplingFields(OpenAIBaseModel):
                 )
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int,
+        vocab_size: int,
+        structured: StructuredOutputs | None = None,
     ) -> SamplingParams:
         """SamplingParams for choice `choice` of n; ValueError("<field> ...") when invalid."""
         seed = self.seed
@@ -296,8 +401,19 @@ class SamplingFields(OpenAIBaseModel):
             "ignore_eos": bool(self.ignore_eos),
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": self.skip_special_tokens is not False,
+            "structured_outputs": structured,
         }
         return SamplingParams(**fields)
+
+
+def at_most_one_constraint(
+    found: list[tuple[StructuredOutputs, str]],
+) -> tuple[StructuredOutputs, str] | None:
+    if len(found) > 1:
+        names = " and ".join(f"`{param}`" for _, param in found)
+        raise bad_request(f"Only one output constraint may be given; got {names}.",
+                          param=found[1][1])  # fmt: skip
+    return found[0] if found else None
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -360,7 +476,8 @@ MaxTokens = Annotated[int, Field(ge=1, json_schema_extra=_limit("max_tokens"))]
 class CompletionRequest(SamplingFields):
     """A completions request. Rules beyond this schema (400 when broken): prompts x n at most
     --max-seqs-per-request; min_tokens <= max_tokens; best_of, when set, equals n; every
-    prompt's tokens plus max_tokens fit the model's context (max_model_len)."""
+    prompt's tokens plus max_tokens fit the model's context (max_model_len); at most one
+    output constraint (response_format, structured_outputs, guided_*), which must compile."""
 
     model_config = ConfigDict(
         json_schema_extra=_request_schema(UNSUPPORTED_COMPLETION, (_STREAM_OPTIONS_NEED_STREAM,))
@@ -435,7 +552,7 @@ class CompletionResponse(BaseModel):
 # -------------------------------------------------------------------------------- chat
 
 
-_UNSUPPORTED_MESSAGE_FIELDS = ("tool_calls", "function_call", "audio")
+_UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 # Parts are checked by `_text_part` (its 400 names the part); the schema says the same.
 TextPart = Annotated[
     dict[str, Any],
@@ -453,6 +570,19 @@ _CONTENT_NULL_ONLY_FOR_ASSISTANT = {
 }
 
 
+class FunctionCallParam(OpenAIBaseModel):
+    name: NonEmptyStr
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(OpenAIBaseModel):
     model_config = ConfigDict(
         json_schema_extra=_request_schema(
@@ -460,19 +590,56 @@ class ChatMessageParam(OpenAIBaseModel):
         )
     )
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text"] = "text"  # json_object and json_schema need structured output
+# OpenAI's rule for function names.
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: an empty object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: FunctionName
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+# "required" or a named function: something to call must be given.
+_TOOL_CHOICE_NEEDS_TOOLS = {
+    "if": {
+        "required": ["tool_choice"],
+        "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+    },
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+}
 
 
 class ChatCompletionRequest(SamplingFields):
     """A chat completions request. Rules beyond this schema (400 when broken): n at most
     --max-seqs-per-request; min_tokens <= max_completion_tokens (else max_tokens); the
-    rendered messages' tokens plus that budget fit the model's context (max_model_len)."""
+    rendered messages' tokens plus that budget fit the model's context (max_model_len);
+    at most one output constraint (response_format, structured_outputs, guided_*, tools
+    with tool_choice "required" or named), which must compile; a named tool_choice names
+    a function in `tools`, whose names are distinct; tool_choice "auto" (the default with
+    tools) needs a chat template that declares tool support."""
 
     model_config = ConfigDict(
         json_schema_extra=_request_schema(
@@ -480,6 +647,7 @@ class ChatCompletionRequest(SamplingFields):
             (
                 _STREAM_OPTIONS_NEED_STREAM,
                 _only_with("top_logprobs", {"type": "integer"}, "logprobs", True),
+                _TOOL_CHOICE_NEEDS_TOOLS,
             ),
         )
     )
@@ -489,8 +657,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: Literal["none", "auto"] | None = None  # no tools, so nothing to require
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None
     add_generation_prompt: bool | None = True
 
@@ -498,6 +667,30 @@ class ChatCompletionRequest(SamplingFields):
         reject_unsupported(self, UNSUPPORTED_CHAT)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs: true`.", param="top_logprobs")
+        self.check_tools()
+
+    def check_tools(self) -> None:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise bad_request("Function names in `tools` must be distinct.", param="tools")
+        if choice == "required" and not names:
+            raise bad_request('`tool_choice` "required" needs `tools`.', param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(
+                f"`tool_choice` names the function {choice.function.name!r}, which is not in "
+                "`tools`.",
+                param="tool_choice",
+            )
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools are used: "none" (ignored, also when there are none), "auto" (the model
+        decides; parsed from its text), "required" (one or more calls) or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def requested_max_tokens(self) -> int | None:
         return _default(self.max_completion_tokens, self.max_tokens)
@@ -505,15 +698,16 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as plain {role, content} dicts for the chat template."""
         return [plain_message(i, m) for i, m in enumerate(self.messages)]
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}  # fmt: skip
 
 
-def plain_message(i: int, m: ChatMessageParam) -> dict[str, str]:
+def plain_message(i: int, m: ChatMessageParam) -> dict[str, Any]:
     param = f"messages.{i}"
     role = _ROLES[m.role]
     for key in m.unknown_fields():
@@ -527,10 +721,29 @@ def plain_message(i: int, m: ChatMessageParam) -> dict[str, str]:
         text = m.content
     else:
         text = "".join(_text_part(part, f"{param}.content.{j}") for j, part in enumerate(m.content))
-    message = {"role": role, "content": text}
+    message: dict[str, Any] = {"role": role, "content": text}
     if m.name:
         message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
     return message
+
+
+def _template_tool_call(call: ToolCallParam) -> dict[str, Any]:
+    """A call as chat templates expect it: arguments as an object (Qwen's template writes
+    them with `tojson`, which would quote a JSON string a second time). Arguments that are
+    not a JSON object (a call the model cut short) stay the text they were."""
+    arguments: Any = call.function.arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        arguments = parsed
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}  # fmt: skip
 
 
 def _text_part(part: dict[str, Any], param: str) -> str:
@@ -556,9 +769,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -579,7 +804,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from engine import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, StructuredOutputs
 from server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -216,11 +216,31 @@ def clamp_logprob(value: float) -> float:
     return max(value, -9999.0)
 
 
+async def compile_constraint(
+    ctx: ServingContext, constraint: tuple[StructuredOutputs, str] | None
+) -> StructuredOutputs | None:
+    """Compile the request's output constraint off the engine thread; 400 naming the field
+    (with the compiler's message) when it cannot be compiled."""
+    if constraint is None:
+        return None
+    spec, param = constraint
+    try:
+        await ctx.engine.compile_grammar(spec)
+    except ValueError as exc:
+        raise bad_request(f"Invalid `{param}`: {exc}", param=param) from exc
+    return spec
+
+
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int, vocab_size: int
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    vocab_size: int,
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     try:
-        return req.to_sampling_params(max_tokens, logprobs, choice, vocab_size)
+        return req.to_sampling_params(max_tokens, logprobs, choice, vocab_size, structured)
     except ValueError as exc:
         raise from_value_error(exc) from exc
 
@@ -234,6 +254,7 @@ def engine_requests_for_prompt(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    structured: StructuredOutputs | None = None,
 ) -> list[EngineRequest]:
     """The n engine requests of one prompt (ids `<id>-<prompt_index * n + i>`).
 
@@ -248,7 +269,7 @@ def engine_requests_for_prompt(
         EngineRequest(
             f"{request_id}-{prompt_index * n + i}",
             prompt_ids,
-            sampling_params(req, max_tokens, logprobs, i, ctx.engine.vocab_size),
+            sampling_params(req, max_tokens, logprobs, i, ctx.engine.vocab_size, structured),
             req.cache_salt,
         )
         for i in range(n)

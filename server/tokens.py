@@ -80,14 +80,18 @@ def encode_prompt(
 
 
 def apply_chat_template(
-    tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation rendered by the model's chat template; 400 when it cannot be."""
+    """The conversation (and any tools) rendered by the model's chat template; 400 when
+    it cannot be."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # jinja errors: the template refused these messages
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc

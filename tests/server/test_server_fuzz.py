@@ -11,6 +11,7 @@ coverage phase's ~1,500 requests). (Not `schemathesis.pytest.from_fixture`: with
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +22,17 @@ from pydantic import ValidationError
 from schemathesis.core import NOT_SET
 from schemathesis.engine import Status, events
 
+from engine.structured_output.grammar_cache import GrammarCache
 from server.errors import OpenAIError
-from server.protocol import SEED_MAX, SEED_MIN, ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    SEED_MAX,
+    SEED_MIN,
+    ChatCompletionRequest,
+    CompletionRequest,
+    at_most_one_constraint,
+)
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
+from server.tool_calls import template_tools, tool_constraint
 from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
 from tests.server.conftest import RunningServer, make_engine, running_server
 
@@ -106,15 +115,42 @@ def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
         return True
     try:
         req = model[path].model_validate(body)
-        lengths, max_tokens = _prompt_lengths(req, tokenizer)
-    except (ValidationError, OpenAIError):
+    except ValidationError:
         return False  # refused for a stated rule: schemathesis reports it
+    if not _constraint_compiles(req, tokenizer):
+        return True
+    try:
+        lengths, max_tokens = _prompt_lengths(req, tokenizer)
+    except OpenAIError:
+        return False
     n = req.num_choices
     if getattr(req, "best_of", None) not in (None, n) or len(lengths) * n > FUZZ_MAX_SEQS:
         return True
     room = FUZZ_MAX_MODEL_LEN - max(lengths)
     wanted = max(room, 1) if max_tokens is None else max_tokens
     return wanted > room or (req.min_tokens or 0) > wanted
+
+
+def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
+    """Whether the request's output constraint is one (at most) that compiles, and its tools
+    (if any) can be used with this template: the rules JSON Schema cannot state for them."""
+    try:
+        found = [req.structured_output()]
+        if isinstance(req, ChatCompletionRequest):
+            req.check_tools()
+            found.append(tool_constraint(req))
+            template_tools(req, tokenizer.chat_template)
+        constraint = at_most_one_constraint([c for c in found if c is not None])
+        if constraint is not None:
+            _grammars(tokenizer).compile(constraint[0])
+    except (OpenAIError, ValueError):
+        return False
+    return True
+
+
+@functools.cache
+def _grammars(tokenizer: Any) -> GrammarCache:
+    return GrammarCache(tokenizer, VOCAB_SIZE, [])
 
 
 def _prompt_lengths(req: Any, tokenizer: Any) -> tuple[list[int], int | None]:
@@ -124,7 +160,8 @@ def _prompt_lengths(req: Any, tokenizer: Any) -> tuple[list[int], int | None]:
             len(encode_prompt(tokenizer, p, VOCAB_SIZE, "prompt")) for p in req.prompt_list()
         ]
         return lengths, req.max_tokens
+    tools = template_tools(req, tokenizer.chat_template)
     text = apply_chat_template(
-        tokenizer, req.conversation(), req.add_generation_prompt is not False
+        tokenizer, req.conversation(), req.add_generation_prompt is not False, tools
     )
     return [len(encode_chat(tokenizer, text))], req.requested_max_tokens()

@@ -208,9 +208,9 @@ def test_chat_max_completion_tokens_is_named_in_its_errors():
     [
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structural_tag": "{}"}, "structural_tag"),
     ],
 )
 def test_unsupported_completion_fields_are_400(fields, param):
@@ -230,7 +230,15 @@ def test_unknown_fields_are_reported_not_rejected():
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
@@ -242,11 +250,12 @@ def test_unsupported_chat_fields_are_400(fields, param):
 @pytest.mark.parametrize(
     ("fields", "loc"),
     [
-        ({"tool_choice": "required"}, ("tool_choice",)),
+        ({"tool_choice": "sometimes"}, ("tool_choice", "literal['none','auto','required']")),
         ({"response_format": {"type": "json_schema", "json_schema": {}}},
-         ("response_format", "type")),
+         ("response_format", "json_schema", "name")),
+        ({"response_format": {"type": "xml"}}, ("response_format", "type")),
         ({"modalities": ["text", "audio"]}, ("modalities", 1)),
-        ({"messages": [{"role": "tool", "content": "x"}]}, ("messages", 0, "role")),
+        ({"messages": [{"role": "function", "content": "x"}]}, ("messages", 0, "role")),
         ({"messages": [{"role": "", "content": "x"}]}, ("messages", 0, "role")),
     ],
 )  # fmt: skip
@@ -284,8 +293,8 @@ def test_chat_conversation_normalises_roles_and_parts():
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
          "messages.0.content.0"),
         ({"role": "user", "content": None}, "messages.0.content"),
-        ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
-         "messages.0.tool_calls"),
+        ({"role": "assistant", "content": "x", "function_call": {"name": "f"}},
+         "messages.0.function_call"),
     ],
 )  # fmt: skip
 def test_bad_messages_are_400(message, param):

@@ -1,0 +1,109 @@
+"""Compiled grammars for one tokenizer: each spec compiled once, by whichever thread asks first.
+
+Compiling turns a spec into xgrammar's per-state token masks over this tokenizer's
+vocabulary (a few ms for a small schema, ~0.1 s for a large one). The cache is keyed by
+`StructuredOutputs.key`; the tokenizer is fixed per cache (one per engine). Threads that
+ask for a spec being compiled wait for that one compilation instead of starting another.
+xgrammar releases the GIL while it compiles (measured: a Python loop on another thread
+kept 96% of its speed), so a compile on a helper thread does not stall the engine's step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+from engine.structured_output.schema_check import check_json_schema
+from scheduler.structured_outputs import StructuredOutputs
+
+# Distinct specs kept; the least recently used is dropped past this (a compiled JSON
+# schema holds its token-mask cache, ~100 KB to a few MB).
+MAX_ENTRIES = 256
+# "[16:35:08] /project/cpp/regex_converter.cc:83: " before each of xgrammar's messages.
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """The spec cannot be compiled; the message is the compiler's (or the schema check's)."""
+
+
+@dataclass
+class CompileResult:
+    grammar: Any  # xgr.CompiledGrammar
+    cache_hit: bool
+    seconds: float  # time this call spent compiling (0 for a hit)
+
+
+class GrammarCache:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
+        # One compile thread: on a small machine more would take cores from the step.
+        # xgrammar's own cache is off: this one is the single cache, with hit counts.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
+                                             cache_enabled=False)  # fmt: skip
+        self._entries: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs) -> CompileResult:
+        """The compiled grammar; GrammarError when the spec cannot be compiled."""
+        with self._lock:
+            future = self._entries.get(spec.key)
+            owner = future is None
+            if owner:
+                future = self._entries[spec.key] = Future()
+                while len(self._entries) > MAX_ENTRIES:
+                    self._entries.popitem(last=False)
+            else:
+                self._entries.move_to_end(spec.key)
+        if not owner:
+            return CompileResult(future.result(), cache_hit=True, seconds=0.0)
+        start = time.perf_counter()
+        try:
+            grammar = self._compile(spec)
+        except Exception as exc:
+            error = GrammarError(_compiler_message(exc))
+            with self._lock:  # a failure is not kept: the next ask tries again
+                if self._entries.get(spec.key) is future:
+                    del self._entries[spec.key]
+            future.set_exception(error)
+            raise error from None
+        future.set_result(grammar)
+        return CompileResult(grammar, cache_hit=False, seconds=time.perf_counter() - start)
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        compiler = self._compiler
+        if spec.kind == "json":
+            check_json_schema(json.loads(spec.spec))
+            # Compact separators: with free whitespace a small model can pad forever.
+            return compiler.compile_json_schema(spec.spec, any_whitespace=False,
+                                                strict_mode=spec.strict)  # fmt: skip
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                strict_mode=False)  # fmt: skip
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+        return compiler.compile_grammar(spec.spec)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for "exactly one of these strings": JSON string literals are EBNF's escapes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _compiler_message(exc: Exception) -> str:
+    if isinstance(exc, ValueError):  # the schema check's, already worded for the client
+        return str(exc)
+    lines = [_LOCATION.sub("", line) for line in str(exc).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__

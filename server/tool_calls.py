@@ -1,0 +1,179 @@
+"""Tool calls: the output constraint a chat request's tools impose, and the calls read back.
+
+`ChatCompletionRequest.tool_mode` picks one of:
+
+* "named" (`tool_choice: {"type": "function", ...}`): the output is constrained to that
+  function's arguments (its `parameters` schema) and is the call's `arguments` as written.
+* "required": the output is constrained to a JSON array of `{"name", "parameters"}`
+  objects, one per call (vLLM's form), at least one; one at most with
+  `parallel_tool_calls: false`.
+* "auto": nothing is constrained; the chat template shows the model its tools and the
+  model answers in text or with Hermes `<tool_call>` blocks, parsed out of that text.
+  Only templates that declare tool support can do this; others get a 400.
+* "none": tools are ignored (not even shown to the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine import StructuredOutputs
+from server.errors import bad_request
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+)
+from server.tool_parsers import (
+    CallArrayStream,
+    HermesStream,
+    parse_call_array,
+    parse_hermes,
+)
+from server.tool_parsers import ToolCall as ParsedCall
+from server.tool_parsers import new_call as new_call_id
+
+# A function declared without parameters takes an empty object.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
+    """The grammar a request's tool_choice asks for, and the field it comes from."""
+    mode = req.tool_mode
+    if mode == "named":
+        assert isinstance(req.tool_choice, NamedToolChoice)
+        tool = _tool(req, req.tool_choice.function.name)
+        strict = tool.function.strict is not False
+        return StructuredOutputs.json_schema(_parameters(tool), strict), "tools"
+    if mode == "required":
+        single = req.parallel_tool_calls is False
+        return StructuredOutputs.json_schema(calls_schema(req.tools or [], single)), "tools"
+    return None
+
+
+def calls_schema(tools: list[ChatTool], single: bool = False) -> dict[str, Any]:
+    """A JSON array of calls to these tools: each item names one and carries its arguments."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "parameters": _parameters(tool),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    if single:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or NO_PARAMETERS
+
+
+def _tool(req: ChatCompletionRequest, name: str) -> ChatTool:
+    return next(t for t in req.tools or () if t.function.name == name)
+
+
+def template_tools(req: ChatCompletionRequest, chat_template: Any) -> list[dict] | None:
+    """The tools the chat template is given (None: none); 400 for "auto" with a template
+    that has no place for them, since the model would never be told of them."""
+    mode = req.tool_mode
+    if mode == "none":
+        return None
+    if mode == "auto" and "tools" not in str(chat_template or ""):
+        raise bad_request(
+            "This model's chat template does not declare tool support, so tool_choice "
+            '"auto" cannot be served; use tool_choice "required" or name a function.',
+            param="tool_choice",
+        )
+    return [t.model_dump(exclude_none=True) for t in req.tools or ()]
+
+
+def _out(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _delta(index: int, call: ParsedCall) -> dict[str, Any]:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+
+
+class ToolCallReader:
+    """One choice's output read as a message: content and tool calls, whole or streamed."""
+
+    def __init__(self, req: ChatCompletionRequest) -> None:
+        self.mode = req.tool_mode
+        choice = req.tool_choice
+        self._name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+        self._id = new_call_id()
+        self._num_calls = 0
+        self._hermes = HermesStream() if self.mode == "auto" else None
+        self._array = CallArrayStream() if self.mode == "required" else None
+
+    def message(self, text: str) -> ChatMessage:
+        if self.mode == "none":
+            return ChatMessage(content=text)
+        if self.mode == "named":
+            call = ParsedCall(self._name, text, self._id)
+            return ChatMessage(tool_calls=[_out(call)])
+        if self.mode == "required":
+            try:
+                return ChatMessage(tool_calls=[_out(c) for c in parse_call_array(text)])
+            except ValueError:  # cut short (finish_reason "length"): the text as it is
+                return ChatMessage(content=text)
+        content, calls = parse_hermes(text)
+        return ChatMessage(content=content, tool_calls=[_out(c) for c in calls])
+
+    def feed(self, text: str) -> dict[str, Any]:
+        """The delta for newly generated text ({} when nothing can be sent yet)."""
+        if self.mode == "none":
+            return {"content": text} if text else {}
+        if self.mode == "named":
+            return self._named_delta(text)
+        if self._array is not None:
+            return self._calls_delta(self._array.feed(text))
+        assert self._hermes is not None
+        return self._mixed_delta(*self._hermes.feed(text))
+
+    def finish(self) -> dict[str, Any]:
+        """The delta for whatever was held back, once the output is complete."""
+        if self._hermes is not None:
+            return self._mixed_delta(*self._hermes.finish())
+        if self.mode == "named" and not self._num_calls:
+            return self._named_delta("")
+        return {}
+
+    @property
+    def made_calls(self) -> bool:
+        return self._num_calls > 0
+
+    def _named_delta(self, text: str) -> dict[str, Any]:
+        if self._num_calls:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        self._num_calls = 1
+        return {"tool_calls": [_delta(0, ParsedCall(self._name, text, self._id))]}
+
+    def _calls_delta(self, calls: list[ParsedCall]) -> dict[str, Any]:
+        if not calls:
+            return {}
+        start, self._num_calls = self._num_calls, self._num_calls + len(calls)
+        return {"tool_calls": [_delta(start + i, c) for i, c in enumerate(calls)]}
+
+    def _mixed_delta(self, content: str, calls: list[ParsedCall]) -> dict[str, Any]:
+        delta = self._calls_delta(calls)
+        if content:
+            delta["content"] = content
+        return delta
+
+
+def finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI reports a turn that ended in tool calls as "tool_calls"."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
