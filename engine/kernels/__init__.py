@@ -15,6 +15,8 @@ lock.
   matmuls, one call each (`csrc/fused_ops.cpp`)
 * ``DecodeStack``: a decode-only step's decoder layers in one call, through the kernels
   above (`csrc/decode_stack.cpp`)
+* ``apply_token_bitmask_(logits, bitmask, rows)``: a grammar's allowed tokens on float32
+  logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SOURCES = (
     "paged_decode.cpp",
     "fused_ops.cpp",
     "decode_stack.cpp",
+    "token_bitmask.cpp",
 )
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
@@ -79,6 +82,12 @@ def cpu_kernels() -> ModuleType | None:
     except Exception as exc:  # no compiler, headers, ninja...: torch's ops still work
         logger.warning("CPU kernels unavailable, using torch's ops: %s", exc)
         return None
+
+
+def host_kernels(device: torch.device | str) -> ModuleType | None:
+    """The kernels for work on this device whatever the model's dtype (the sampler's float32
+    logits), or None off the CPU or where they do not build."""
+    return cpu_kernels() if torch.device(device).type == "cpu" else None
 
 
 def bf16_cpu_kernels(dtype: torch.dtype, device: torch.device | str) -> ModuleType | None:

@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutputs
 from engine.sampler import Sampler, SamplingMetadata
+from engine.structured_output import bitmask as bitmask_module
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.grammar_cache import GrammarCache, GrammarError
 from engine.structured_output.schema_check import check_json_schema
@@ -259,3 +260,24 @@ def test_the_mask_touches_only_constrained_rows():
     assert processed[1].argmax() == 5 and torch.isinf(processed[1]).sum() == vocab - 1
     tokens = Sampler()(logits, meta).token_ids.tolist()
     assert tokens == [int(logits[0].argmax()), 5, int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernels-where-built", "xgrammar"])
+@pytest.mark.parametrize("vocab", [49152, 49157, 70])
+def test_the_mask_forbids_exactly_the_zero_bits(monkeypatch, native, vocab):
+    """The AVX-512 kernel (where the CPU kernels build) and xgrammar's own apply agree with
+    the bits, partial last word included, and leave the other rows alone."""
+    if not native:
+        monkeypatch.setattr(bitmask_module, "host_kernels", lambda device: None)
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, vocab, generator=generator)
+    masked = logits.clone()
+    GrammarBitmask(bits, [0, 2]).apply_(masked)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(4, -1)[:, :vocab]
+    for row in (0, 2):
+        expected = logits[row].masked_fill(~allowed[row], float("-inf"))
+        assert torch.equal(masked[row], expected)
+    assert torch.equal(masked[1], logits[1]) and torch.equal(masked[3], logits[3])

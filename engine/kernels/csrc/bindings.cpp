@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16", nogil);
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "logits[row, t] = -inf where bit t of bitmask[row] is 0, for the given rows", nogil);
 
   // module_local: a second build of this module (another environment, a benchmark's
   // A/B copy) can be loaded next to this one.

@@ -26,3 +26,5 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
                             torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& bitmask,
+                          const std::vector<int64_t>& rows);
