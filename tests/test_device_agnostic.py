@@ -76,6 +76,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a kernel choice, not placement: the kernels are CPU code; a model on another device "
         "runs its matmuls, attention and small ops through torch, tested equal to them"
     ),
+    ("engine/kernels/__init__.py", "host_kernels", 'device string "cpu"'): (
+        "a kernel choice, not placement: the grammar mask's AVX-512 kernel is CPU code; "
+        "logits on another device take xgrammar's apply, tested equal to it"
+    ),
     ("engine/models/linear.py", "Linear.pack", 'device string "cpu"'): (
         "a layout choice, not placement: torch's CPU fp32 matmul is faster on [in, out] "
         "weights; the weight stays on its device either way"

@@ -11,6 +11,7 @@ kept 96% of its speed), so a compile on a helper thread does not stall the engin
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -23,6 +24,8 @@ import xgrammar as xgr
 
 from engine.structured_output.schema_check import check_json_schema
 from scheduler.structured_outputs import StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 # Distinct specs kept; the least recently used is dropped past this (a compiled JSON
 # schema holds its token-mask cache, ~100 KB to a few MB).
@@ -78,7 +81,10 @@ class GrammarCache:
             future.set_exception(error)
             raise error from None
         future.set_result(grammar)
-        return CompileResult(grammar, cache_hit=False, seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        logger.info("compiled a %s grammar (%d chars) in %.0f ms", spec.kind, len(spec.spec),
+                    seconds * 1e3)  # fmt: skip
+        return CompileResult(grammar, cache_hit=False, seconds=seconds)
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         compiler = self._compiler

@@ -58,9 +58,10 @@ MEASUREMENTS = {
             "maxItems": 5,
         },
         "unit": {"const": "celsius"},
+        "humidity": {"type": "number", "minimum": 0, "maximum": 1},
         "ok": {"type": "boolean"},
     },
-    "required": ["readings", "unit", "ok"],
+    "required": ["readings", "unit", "humidity", "ok"],
     "additionalProperties": False,
 }
 SCHEMAS = {"person": PERSON, "measurements": MEASUREMENTS}
