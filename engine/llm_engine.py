@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,7 +51,11 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_event_listener: Callable[[Any], None] | None = None
+    ) -> None:
+        """`kv_event_listener` hears the prefix cache's block events (`kv_cache`'s
+        BlockStored / BlockRemoved / AllBlocksCleared), on the thread that steps."""
         self.config = config
         start = time.perf_counter()
         model_dir = resolve_model_dir(config.model, config.cache_dir)
@@ -108,7 +114,8 @@ class LLMEngine:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 prefix_cache_hash=config.prefix_cache_hash,
-            )
+            ),
+            kv_event_listener,
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

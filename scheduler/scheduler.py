@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from kv_cache import KVCacheManager
+from kv_cache.block_pool import EventListener
 from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -35,7 +36,11 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_event_listener: EventListener | None = None
+    ) -> None:
+        """`kv_event_listener` hears each block the prefix cache stores or evicts (a
+        replica publishes them to the router)."""
         config.verify()
         self.config = config
         self.kv_cache_manager = KVCacheManager(
@@ -43,6 +48,7 @@ class Scheduler:
             block_size=config.block_size,
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_cache_hash,
+            event_listener=kv_event_listener,
         )
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the head

@@ -171,9 +171,49 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds between stats log lines while busy")  # fmt: skip
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+    g = parser.add_argument_group("replicas (Ray Serve)")
+    g.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="engine replicas behind one ingress on a local Ray instance "
+                   "(default 1: no Ray); see server/replicas")  # fmt: skip
+    g.add_argument("--router", choices=["prefix", "default"], default="prefix",
+                   help="with replicas: prefix-cache-aware (default) or Ray Serve's own")  # fmt: skip
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """`--data-parallel-size N`: the Ray Serve application (server/replicas/deployment.py)
+    on a local Ray instance, until Ctrl-C."""
+    import ray
+    from ray import serve
+
+    from server.replicas.deployment import build
+
+    engine = {name: getattr(args, name) for name in _ENGINE_FIELDS}
+    engine = {k: v for k, v in engine.items() if v is not None}
+    if args.no_prefix_caching:
+        engine["enable_prefix_caching"] = False
+    server = {"served_model_name": args.served_model_name, "api_key": args.api_key,
+              "max_waiting_requests": args.max_waiting_requests,
+              "max_request_body_bytes": args.max_request_body_bytes,
+              "max_seqs_per_request": args.max_seqs_per_request}  # fmt: skip
+    app = build({"num_replicas": args.data_parallel_size, "router": args.router,
+                 "engine": engine, "server": server})  # fmt: skip
+    ray.init(include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    print(f"pagedserve: {args.data_parallel_size} replicas ({args.router} routing) on "
+          f"http://{args.host}:{args.port}", flush=True)  # fmt: skip
+    try:
+        serve.run(app, name="pagedserve", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        return run_replicas(args)
     from server.app import build_app
     from server.async_engine import AsyncEngine
     from server.shutdown import GracefulServer

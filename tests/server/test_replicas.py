@@ -1,0 +1,166 @@
+"""Two engine replicas on a local Ray instance behind the ingress, with the OpenAI SDK.
+
+One module-scoped Ray instance (about 20 s to start on 2 cores), a tiny model, bounded
+requests. The replica-kill test runs last: Ray Serve replaces the replica it kills.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from engine import SamplingParams
+from server.replicas.deployment import build
+from tests.server.conftest import MODEL_NAME, make_engine, random_ids, wait_until
+
+APP = "pagedserve"
+ENGINE = {"dtype": "float32", "device": "cpu", "num_blocks": 256, "max_model_len": 1024,
+          "seed": 0, "block_size": 16}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ingress(tiny_model_dir) -> Iterator[str]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"num_replicas": 2, "engine": {"model": str(tiny_model_dir), **ENGINE},
+                "server": {"served_model_name": MODEL_NAME}}  # fmt: skip
+        serve.run(build(args), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def per_replica(url: str, name: str, **labels: str) -> dict[str, float]:
+    """One metric's value on each replica (the ingress's /metrics, labelled by replica)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                values[s.labels["replica"]] = s.value
+    return values
+
+
+def test_answers_equal_a_single_engine(ingress, tiny_model_dir):
+    prompts = [random_ids(9000 + i, 40) for i in range(4)]
+    engine = make_engine(tiny_model_dir, **ENGINE)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"ref-{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    expected: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                expected[out.request_id] = out.text
+    sdk = client(ingress)
+    for i, prompt in enumerate(prompts):
+        r = sdk.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == expected[f"ref-{i}"]
+    streamed = sdk.completions.create(model=MODEL_NAME, prompt=prompts[0], max_tokens=12,
+                                      temperature=0, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["ref-0"]
+
+
+def test_errors_are_the_single_servers(ingress):
+    response = httpx.post(f"{ingress}/v1/completions", json={"prompt": "hi", "max_tokens": 5000})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    response = httpx.post(f"{ingress}/v1/completions", json={"prompt": "hi", "model": "other"})
+    assert response.status_code == 404
+
+
+def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
+    prefix = random_ids(9100, 96)  # 6 blocks
+    success = "pagedserve:request_success_total"
+    time.sleep(2.5)  # the replicas' stats (about every second) catch up with earlier tests
+    before = per_replica(ingress, success, finished_reason="length")
+    sdk = client(ingress)
+    for i in range(6):
+        prompt = prefix + random_ids(9200 + i, 8)
+        sdk.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0,
+                               extra_body={"ignore_eos": True})  # fmt: skip
+
+    def served() -> dict[str, float]:
+        after = per_replica(ingress, success, finished_reason="length")
+        return {r: after[r] - before.get(r, 0.0) for r in after}
+
+    wait_until(lambda: sum(served().values()) == 6, 20, "replica metrics did not catch up")
+    counts = sorted(served().values())
+    assert counts[-1] == 6 and sum(counts) == 6, served()
+    hits = per_replica(ingress, "pagedserve:prefix_cache_hits_total")
+    assert max(hits.values()) >= 5 * 96, hits  # the 5 followers found the whole prefix
+
+
+def test_a_disconnect_frees_the_replicas_blocks(ingress):
+    with httpx.stream("POST", f"{ingress}/v1/completions", json={
+        "prompt": random_ids(9300, 30), "max_tokens": 800, "stream": True, "ignore_eos": True,
+    }) as response:  # fmt: skip
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    usage = "pagedserve:kv_cache_usage_perc"
+    wait_until(lambda: set(per_replica(ingress, usage).values()) == {0.0}, 20,
+               "a replica kept the disconnected request's blocks")  # fmt: skip
+
+
+def _stream(url: str, seed: int, results: list[str]) -> None:
+    body = {"prompt": random_ids(seed, 20), "max_tokens": 600, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        errors = [e for e in events if '"error"' in e]
+        results.append("error" if errors else "ok" if events[-1] == "data: [DONE]" else "cut")
+    except httpx.HTTPError as exc:
+        results.append(f"http error: {exc}")
+
+
+def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
+    results: list[str] = []
+    threads = [threading.Thread(target=_stream, args=(ingress, 9400 + i, results))
+               for i in range(4)]  # fmt: skip
+    running = "pagedserve:num_requests_running"
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(per_replica(ingress, running).values()) >= 4, 20, "streams running")
+    victim = max(per_replica(ingress, running).items(), key=lambda kv: kv[1])[0]
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    for t in threads:
+        t.join(120)
+    # The victim's streams end with an error event before [DONE]; the others finish.
+    assert sorted(results).count("error") >= 1 and "ok" in results, results
+    assert all(r in ("ok", "error") for r in results), results
+    # The other replica keeps serving, and Ray Serve starts a replacement.
+    r = client(ingress).completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=3,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+
+    def replaced() -> bool:
+        live = per_replica(ingress, running)
+        return len(live) == 2 and victim not in live
+
+    wait_until(replaced, 90, "Ray Serve did not replace the killed replica")
+    print(json.dumps(results))
