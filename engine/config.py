@@ -78,6 +78,8 @@ class EngineConfig:
     # where that loses nothing (a Q4_1 GGUF on such a CPU in bf16), else off.
     quantization: str | None = "auto"
     cache_dir: str | None = None  # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
+    # Ranks the model is split over (engine/distributed.py); 1: one process, no split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +115,8 @@ class EngineConfig:
         bf16: int4 projections where a GGUF's were all Q4_1, an int8 head (groups of 32)
         where its head was Q8_0. ``source``: the loader's `source_weight_types`."""
         if self.quantization == "auto":
+            if self.tensor_parallel_size > 1:  # the ranks split plain weights
+                return Quantization()
             fast = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels() is not None
             source = source if fast and source else {}
             return Quantization(
@@ -300,6 +304,8 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
         (c.prefix_cache_hash in PREFIX_CACHE_HASHES, "prefix_cache_hash",
          f"must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {c.prefix_cache_hash!r}"),
         (_is_int(c.seed), "seed", f"must be an integer, got {c.seed!r}"),
+        (_is_int(c.tensor_parallel_size) and c.tensor_parallel_size >= 1, "tensor_parallel_size",
+         f"must be an integer >= 1, got {c.tensor_parallel_size!r}"),
         (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
          "attention_backend",
          f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),

@@ -23,6 +23,7 @@ from engine.config import (
     synchronize,
 )
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
 from engine.loader import (
     iter_weights,
@@ -38,6 +39,7 @@ from engine.models.llama import sliding_window
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
+from engine.tp_worker import start_workers, stop_workers
 from scheduler import (
     Request,
     RequestStatus,
@@ -71,20 +73,16 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
 
-        model = get_model_class(self.hf_config)(
-            self.hf_config,
-            dtype=self.dtype,
-            device=self.device,
-            attn_backend=config.attention_backend,
-            max_model_len=self.max_model_len,
-            quantization=self.quantization.layers,
-            head_quantization=self.quantization.head,
-        )
-        model.load_weights(iter_weights(model_dir))
-        model.pack_weights()
-        self.model = model.eval()
+        tp_size = config.tensor_parallel_size
+        tp = TensorParallel(0, tp_size) if tp_size > 1 else None
+        self.model = model = build_model(
+            config, model_dir, self.hf_config, self.device, self.dtype, self.quantization,
+            self.max_model_len, tp,
+        )  # fmt: skip
 
         self.num_blocks = self._num_kv_blocks()
+        # Ranks 1..N-1 (engine/tp_worker.py): started once the cache size they share is known.
+        self._tp_workers = start_workers(config, self.num_blocks) if tp is not None else []
         kv_caches = allocate_kv_cache(
             self.hf_config.num_hidden_layers,
             self.num_blocks,
@@ -146,7 +144,9 @@ class LLMEngine:
         return ", ".join(parts)
 
     def _num_kv_blocks(self) -> int:
-        gpu_memory = self._profile_memory() if self.config.profiles_memory(self.device) else None
+        # Profiling runs a forward pass, which under tensor parallelism needs every rank.
+        profiles = self.config.profiles_memory(self.device) and self.model.tp is None
+        gpu_memory = self._profile_memory() if profiles else None
         return self.config.kv_cache_num_blocks(
             self.hf_config.num_hidden_layers,
             self.model.num_kv_heads,
@@ -242,6 +242,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        workers, self._tp_workers = self._tp_workers, []
+        if workers:
+            stop_workers(workers)
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -256,6 +262,8 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         try:
+            if self._tp_workers:  # every rank runs the same step
+                broadcast_object(sched_out)
             sampled = self.runner.execute(sched_out)
             updated = self.scheduler.update_from_output(
                 sched_out, {rid: s.token_id for rid, s in sampled.items()}
@@ -323,6 +331,32 @@ class LLMEngine:
         s.num_steps += 1
         s.last_step_tokens = sched_out.num_batched_tokens
         s.last_step_seqs = len(sched_out.scheduled)
+
+
+def build_model(
+    config: EngineConfig,
+    model_dir: Any,
+    hf_config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: Any,
+    max_model_len: int,
+    tp: TensorParallel | None = None,
+) -> torch.nn.Module:
+    """The model with its weights loaded and packed (this rank's shard under `tp`)."""
+    model = get_model_class(hf_config)(
+        hf_config,
+        dtype=dtype,
+        device=device,
+        attn_backend=config.attention_backend,
+        max_model_len=max_model_len,
+        quantization=quantization.layers,
+        head_quantization=quantization.head,
+        tp=tp,
+    )
+    model.load_weights(iter_weights(model_dir))
+    model.pack_weights()
+    return model.eval()
 
 
 def _context_limit(hf_config) -> int:

@@ -36,6 +36,7 @@ class ModelRunner:
         device: torch.device,
         max_num_batched_tokens: int,
         structured_outputs: StructuredOutputManager | None = None,
+        samples: bool = True,
     ) -> None:
         self.model = model
         self.structured_outputs = structured_outputs  # the grammar mask of constrained rows
@@ -43,6 +44,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # False on tensor-parallel ranks 1..N-1: they compute their share of each step
+        # (the logits' all-gather included) and rank 0 samples.
+        self.samples = samples
         # One host staging buffer for the step's token ids, reused every step. Pinned where
         # that makes the non_blocking copy to the device asynchronous (CUDA).
         self._host_ids = torch.empty(
@@ -67,7 +71,7 @@ class ModelRunner:
             return {}
         last_index = self._sample_indices(out, meta)
         logits = self.model.compute_logits(hidden[last_index])
-        return self._sample(sampled, logits)
+        return self._sample(sampled, logits) if self.samples else {}
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         scheduled = out.scheduled

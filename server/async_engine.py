@@ -361,6 +361,14 @@ class AsyncEngine:
             logger.exception("engine loop died")
             reason = f"engine loop died: {type(exc).__name__}: {exc}"
         self._die(reason)
+        # From this thread, the one that stepped: tensor-parallel workers wait on its
+        # broadcasts, and a broadcast of None stops them.
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
 
     def _handle_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one when `block`); False on a stop command."""

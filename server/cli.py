@@ -92,6 +92,7 @@ _ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "prefix_cache_hash", "seed", "attention_backend", "quantization", "cache_dir",
+    "tensor_parallel_size",
 )  # fmt: skip
 
 
@@ -119,6 +120,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto (default): what a GGUF's own Q4_1 / Q8_0 blocks hold exactly, "
                         "else none")  # fmt: skip
     g.add_argument("--cache-dir", help="where converted models are kept")
+    g.add_argument("--tensor-parallel-size", type=_positive_int,
+                   help="split the model over this many processes (torch.distributed: gloo "
+                   "on CPU, NCCL on CUDA); it must divide the heads (default 1)")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:

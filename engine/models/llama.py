@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
+from engine.distributed import TensorParallel
 from engine.kernels import bf16_cpu_kernels
 from engine.models.linear import Linear, kernel_for, project, quantize_int8
 
@@ -115,6 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         self.attn = arch["attn_backend"]
         self.act = arch["act"]
         self.intermediate_size = inter
+        self.tp: TensorParallel | None = arch["tp"]
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = _param(hidden, **kw)
@@ -124,6 +126,10 @@ class LlamaDecoderLayer(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, arch["o_bias"], **lw)
         self.gate_up_proj = Linear(hidden, 2 * inter, arch["mlp_bias"], **lw)
         self.down_proj = Linear(inter, hidden, arch["mlp_bias"], **lw)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: every rank's partial sum, added up."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def linears(self) -> tuple[Linear, ...]:
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
@@ -145,11 +151,11 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = self.attn(q, k_cache, v_cache, meta, self.scale)
-        hidden = hidden + self.o_proj(attn.view(num_tokens, h * self.head_dim))
+        hidden = hidden + self._reduce(self.o_proj(attn.view(num_tokens, h * self.head_dim)))
 
         x = rms_norm(hidden, self.post_attention_layernorm, self.eps)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(self.act(gate) * up)
+        return hidden + self._reduce(self.down_proj(self.act(gate) * up))
 
     def forward_fused(
         self,
@@ -181,14 +187,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def _architecture(
-    config: Any, attn_backend: str, dtype: torch.dtype, device: torch.device
+    config: Any,
+    attn_backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
 ) -> dict[str, Any]:
-    """The few numbers and switches the layers need, read from a transformers config."""
+    """The few numbers and switches the layers need, read from a transformers config:
+    this rank's share of the heads and MLP columns under tensor parallelism."""
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    intermediate_size = config.intermediate_size
+    if tp is not None:
+        num_heads = tp.shard(num_heads, "num_attention_heads")
+        num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+        intermediate_size = tp.shard(intermediate_size, "intermediate_size")
+        tp.shard(config.vocab_size, "vocab_size")
     if getattr(config, "model_type", "") == "qwen2":  # q/k/v carry a bias, o_proj does not
         qkv_bias, o_bias = True, False
     else:
@@ -202,7 +219,8 @@ def _architecture(
         act = ACT2FN[act_name]
     return {
         "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
+        "intermediate_size": intermediate_size,
+        "tp": tp,
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
@@ -240,13 +258,15 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int | None = None,
         quantization: str | None = None,  # of the decoder layers' projections
         head_quantization: str | None = None,  # "int8": the LM head in groups of 32 as well
+        tp: TensorParallel | None = None,  # this rank's shard (engine/distributed.py)
     ) -> None:
         super().__init__()
         device = torch.device(device) if device is not None else torch.get_default_device()
         self.config = hf_config
         self.dtype = dtype
         self.device = device
-        arch = _architecture(hf_config, attn_backend, dtype, device)
+        self.tp = tp
+        arch = _architecture(hf_config, attn_backend, dtype, device, tp)
         arch["quantization"] = quantization
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads, self.num_kv_heads = arch["num_heads"], arch["num_kv_heads"]
@@ -259,10 +279,11 @@ class LlamaForCausalLM(nn.Module):
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
         # Every layer calls it; `attn_backend.prepare(meta)` must run once before each step.
         self.attn_backend = arch["attn_backend"]
-        # bf16 on a CPU with the kernels: the layers' small ops go through engine.kernels.
+        # bf16 on a CPU with the kernels: the layers' small ops go through engine.kernels
+        # (one process's whole layers only: not under tensor parallelism).
         self.fused_ops = (
             bf16_cpu_kernels(dtype, device)
-            if arch["act"] is F.silu and self.head_dim % 2 == 0
+            if arch["act"] is F.silu and self.head_dim % 2 == 0 and tp is None
             else None
         )
 
@@ -272,10 +293,12 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(arch, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = _param(self.hidden_size, **kw)
+        # Under tensor parallelism each rank's head holds its share of the vocabulary.
+        self.head_rows = tp.shard(self.vocab_size, "vocab_size") if tp else self.vocab_size
         self.lm_head = (
             self.embed_tokens
             if self.tie_word_embeddings
-            else _param(self.vocab_size, self.hidden_size, **kw)
+            else _param(self.head_rows, self.hidden_size, **kw)
         )
         self.head_kernel: ModuleType | None = None  # set by `pack_weights`
         # A decode-only step's layers in one native call (set by `pack_weights` where the
@@ -283,6 +306,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack: tuple[Any, int] | None = None
         if head_quantization not in (None, "int8"):
             raise ValueError(f"unknown head quantization {head_quantization!r}")
+        if tp is not None and (head_quantization or quantization):
+            raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
         self.head_quantization = head_quantization
         # int8 head: (q, scales) quantized by `load_weights` from the checkpoint's float32
         # tensor, so a GGUF's Q8_0 blocks come back exactly; the bf16 head stays for
@@ -338,7 +363,12 @@ class LlamaForCausalLM(nn.Module):
         if self.head_int8 is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
             q, scales = self.head_int8
             return project(hidden, q, scales=scales, kernel=self.head_kernel).float()
-        return project(hidden, self.lm_head, kernel=self.head_kernel).float()
+        if self.tp is None:
+            return project(hidden, self.lm_head, kernel=self.head_kernel).float()
+        rows = self.head_rows
+        head = self.lm_head.narrow(0, self.tp.rank * rows, rows) if self.tie_word_embeddings \
+            else self.lm_head  # fmt: skip
+        return self.tp.all_gather_last(project(hidden, head).float())
 
     # ------------------------------------------------------------------ weights
 
@@ -357,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding matrix is the head
             target, rows, shard = self._route(name)
+            tensor = self._tp_slice(name, tensor)
             dest = target if rows is None else target.narrow(0, rows[0], rows[1])
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -458,6 +489,22 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight name {name!r} (this config has no such bias)")
         attr = f"{ours}_proj" if kind == "weight" else f"{ours}_bias"
         return target, rows, (prefix + attr, proj if rows else "")
+
+    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor: rows of the column-parallel
+        projections (q, k, v, gate, up: by heads and columns) and of the LM head, columns of
+        the row-parallel ones (o, down), whose bias only rank 0 adds (the sum is reduced)."""
+        tp = self.tp
+        if tp is None:
+            return tensor
+        column_parallel = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        if any(f".{p}." in name for p in column_parallel) or name == "lm_head.weight":
+            return tensor.chunk(tp.size, dim=0)[tp.rank]
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return tensor.chunk(tp.size, dim=1)[tp.rank]
+        if name.endswith(("o_proj.bias", "down_proj.bias")) and tp.rank:
+            return torch.zeros_like(tensor)
+        return tensor
 
     def _expected_shards(self) -> set[tuple[str, str]]:
         shards = {("embed_tokens", ""), ("norm", "")}
