@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.replicas [--rounds 2] [--out bench/results/replicas/<date>.md]
 
-The workload has more shared-prefix groups than one replica's KV cache holds: 8 groups of
-256-token prefixes (16 blocks each, 128 blocks) against 96 blocks per replica, requests
-cycling through the groups. Routed by prefix, each replica keeps about half the groups;
+The workload has more shared-prefix groups than one replica's KV cache holds: 10 groups
+of 512-token prefixes (32 blocks each, 320 blocks) against 192 blocks per replica,
+requests cycling through the groups. Routed by prefix, each replica keeps about half the
+groups (160 blocks);
 routed by Ray Serve's power of two choices, each replica sees every group and its LRU
 cache evicts a prefix before it comes round again. Each router runs on a fresh Ray
 instance with cold caches and the same requests, in turns; the figures are the runs'
@@ -31,8 +32,8 @@ from bench.report import percentile
 from bench.runner import load_bench_tokenizer
 from bench.workloads import WorkloadSpec, build_prompts
 
-NUM_BLOCKS = 96
-SPEC = WorkloadSpec("shared-prefix", num_requests=64, prefix_len=256, num_prefixes=8,
+NUM_BLOCKS = 192
+SPEC = WorkloadSpec("shared-prefix", num_requests=64, prefix_len=512, num_prefixes=10,
                     question_len=16)  # fmt: skip
 
 
