@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.compare import cpu_flags_line, free_port, machine_line
 from bench.loadgen import LoadConfig, run_load
-from bench.report import percentile
+from bench.report import percentile, publish
 from bench.runner import load_bench_tokenizer
 from bench.workloads import WorkloadSpec, build_prompts
 
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"prefix / default: hit rate x{med('prefix', 'hit_rate') / max(med('default', 'hit_rate'), 1e-9):.2f}, "
               f"TTFT p50 x{med('prefix', 'ttft_p50') / med('default', 'ttft_p50'):.2f}, "
               f"output tok/s x{med('prefix', 'tok_s') / med('default', 'tok_s'):.2f}"]  # fmt: skip
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    publish(lines, args.out)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from bench.loadgen import LoadRun, RequestResult
@@ -134,3 +135,12 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
         "| " + " | ".join(_cell(get(r), fmt) for _, fmt, get in COLUMNS) + " |" for r in records
     ]
     return "\n".join([head, rule, *rows])
+
+
+def publish(lines: Sequence[str], out: Path | None) -> None:
+    """Print a markdown report and, when asked, write it to `out` (bench scripts' --out)."""
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)

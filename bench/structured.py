@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.compare import cpu_flags_line, free_port, launch, machine_line, stop, wait_ready
 from bench.loadgen import LoadConfig, RequestResult, make_client, run_load, send_request
-from bench.report import percentile
+from bench.report import percentile, publish
 from bench.server_metrics import scrape
 from bench.workloads import Prompt
 
@@ -223,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                   *bench_compile_stall(url, args.rounds)]  # fmt: skip
     finally:
         stop(proc)
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    publish(lines, args.out)
     return 0
 
 
