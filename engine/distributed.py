@@ -43,10 +43,12 @@ class TensorParallel:
 
 
 def init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    from engine.config import distributed_backend  # config imports the models, which import us
+
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
+        distributed_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=size,
+    )  # fmt: skip
 
 
 def broadcast_object(obj: object) -> object:
