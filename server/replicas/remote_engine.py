@@ -58,9 +58,7 @@ class RemoteStream:
                     break
         except EngineError:
             raise
-        except (RayActorError, RayTaskError, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and self.finished:
-                raise
+        except (RayActorError, RayTaskError) as exc:  # the replica died or its call failed
             raise RequestFailedError(f"the replica serving this request failed: {exc}") from exc
         finally:
             self._close()
