@@ -207,10 +207,12 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
         )
-        if params.structured_outputs is not None:
-            self.structured_outputs.compile(params.structured_outputs)  # GrammarError first
-        self.scheduler.add_request(request)
-        self.structured_outputs.add_request(request)
+        self.structured_outputs.add_request(request)  # GrammarError before anything is queued
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.structured_outputs.remove(request_id)
+            raise
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params
         )

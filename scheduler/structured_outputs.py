@@ -2,15 +2,15 @@
 a list of strings, or an EBNF grammar.
 
 Pure Python: the server builds it from `response_format`, `structured_outputs` or tools,
-the engine compiles it (xgrammar) and masks each step's logits with it. `key` is what the
-engine caches compiled grammars by, so it holds the spec in one canonical text form.
+the engine compiles it (xgrammar) and masks each step's logits with it. Frozen, it is
+itself the key the engine caches compiled grammars by.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal, get_args
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -25,11 +25,9 @@ class StructuredOutputs:
     # `strict`, xgrammar's strict mode); False follows JSON Schema's open default.
     strict: bool = True
 
-    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
-
     def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(f"structured_outputs kind must be one of {self.KINDS}")
+        if self.kind not in get_args(Kind):
+            raise ValueError(f"structured_outputs kind must be one of {get_args(Kind)}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured_outputs.{self.kind} must not be empty")
 
@@ -44,7 +42,3 @@ class StructuredOutputs:
         if not options:
             raise ValueError("structured_outputs.choice must list at least one string")
         return cls("choice", json.dumps(options, ensure_ascii=False))
-
-    @property
-    def key(self) -> tuple[str, str, bool]:
-        return (self.kind, self.spec, self.strict)

@@ -28,7 +28,6 @@ from server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     UsageInfo,
-    at_most_one_constraint,
     make_usage,
 )
 from server.serving import (
@@ -41,15 +40,14 @@ from server.serving import (
     respond,
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
-from server.tool_calls import ToolCallReader, finish_reason, template_tools, tool_constraint
+from server.tool_calls import ToolCallReader, finish_reason, output_constraint, template_tools
 
 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request
 ) -> Response:
     check_request(ctx, req, "/v1/chat/completions", num_prompts=1)
-    found = [c for c in (req.structured_output(), tool_constraint(req)) if c is not None]
-    constraint = at_most_one_constraint(found)
+    constraint = output_constraint(req)
     tools = template_tools(req, getattr(ctx.tokenizer, "chat_template", None))
     text = apply_chat_template(
         ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False, tools

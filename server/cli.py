@@ -125,14 +125,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    "on CPU, NCCL on CUDA); it must divide the heads (default 1)")  # fmt: skip
 
 
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from engine import EngineConfig
-
+def engine_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the user's flags set (the others keep their defaults)."""
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS}
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
-    return EngineConfig(**fields)
+    return fields
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from engine import EngineConfig
+
+    return EngineConfig(**engine_fields_from_args(args))
 
 
 def _load_engine(args: argparse.Namespace, build: Callable[[Any], Any] | None = None) -> Any:
@@ -191,10 +196,7 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     from server.replicas.deployment import build
 
-    engine = {name: getattr(args, name) for name in _ENGINE_FIELDS}
-    engine = {k: v for k, v in engine.items() if v is not None}
-    if args.no_prefix_caching:
-        engine["enable_prefix_caching"] = False
+    engine = engine_fields_from_args(args)
     server = {"served_model_name": args.served_model_name, "api_key": args.api_key,
               "max_waiting_requests": args.max_waiting_requests,
               "max_request_body_bytes": args.max_request_body_bytes,

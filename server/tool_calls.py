@@ -26,6 +26,7 @@ from server.protocol import (
     FunctionCall,
     NamedToolChoice,
     ToolCall,
+    at_most_one_constraint,
 )
 from server.tool_parsers import (
     CallArrayStream,
@@ -52,6 +53,13 @@ def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str]
         single = req.parallel_tool_calls is False
         return StructuredOutputs.json_schema(calls_schema(req.tools or [], single)), "tools"
     return None
+
+
+def output_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
+    """The chat request's one output constraint: its structured-output fields' or its
+    tools'; 400 when both give one."""
+    found = [c for c in (req.structured_output(), tool_constraint(req)) if c is not None]
+    return at_most_one_constraint(found)
 
 
 def calls_schema(tools: list[ChatTool], single: bool = False) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Compiling turns a spec into xgrammar's per-state token masks over this tokenizer's
 vocabulary (a few ms for a small schema, ~0.1 s for a large one). The cache is keyed by
-`StructuredOutputs.key`; the tokenizer is fixed per cache (one per engine). Threads that
+the (frozen) `StructuredOutputs`; the tokenizer is fixed per cache (one per engine). Threads that
 ask for a spec being compiled wait for that one compilation instead of starting another.
 xgrammar releases the GIL while it compiles (measured: a Python loop on another thread
 kept 96% of its speed), so a compile on a helper thread does not stall the engine's step.
@@ -54,20 +54,20 @@ class GrammarCache:
         # xgrammar's own cache is off: this one is the single cache, with hit counts.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
                                              cache_enabled=False)  # fmt: skip
-        self._entries: OrderedDict[tuple, Future] = OrderedDict()
+        self._entries: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputs) -> CompileResult:
         """The compiled grammar; GrammarError when the spec cannot be compiled."""
         with self._lock:
-            future = self._entries.get(spec.key)
+            future = self._entries.get(spec)
             owner = future is None
             if owner:
-                future = self._entries[spec.key] = Future()
+                future = self._entries[spec] = Future()
                 while len(self._entries) > MAX_ENTRIES:
                     self._entries.popitem(last=False)
             else:
-                self._entries.move_to_end(spec.key)
+                self._entries.move_to_end(spec)
         if not owner:
             return CompileResult(future.result(), cache_hit=True, seconds=0.0)
         start = time.perf_counter()
@@ -76,8 +76,8 @@ class GrammarCache:
         except Exception as exc:
             error = GrammarError(_compiler_message(exc))
             with self._lock:  # a failure is not kept: the next ask tries again
-                if self._entries.get(spec.key) is future:
-                    del self._entries[spec.key]
+                if self._entries.get(spec) is future:
+                    del self._entries[spec]
             future.set_exception(error)
             raise error from None
         future.set_result(grammar)

@@ -13,11 +13,11 @@ from typing import Any
 
 import jsonschema
 
-# Keywords whose value is a schema, a list of schemas, or a map of name -> schema: the
-# walk below follows only these, so a property *named* "not" is never mistaken for one.
-_ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
-        "unevaluatedProperties", "not", "if", "then", "else")  # fmt: skip
-_LIST = ("prefixItems", "allOf", "anyOf", "oneOf")
+# Keywords whose value is a schema or a list of schemas (and below, _MAP: name -> schema):
+# the walk follows only these, so a property *named* "not" is never mistaken for one.
+_SCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
+            "unevaluatedProperties", "not", "if", "then", "else", "prefixItems", "allOf",
+            "anyOf", "oneOf")  # fmt: skip
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 UNSUPPORTED = {
@@ -59,9 +59,7 @@ def _check_supported(schema: Any, path: tuple[str, ...]) -> None:
     if isinstance(ref, str) and not ref.startswith("#"):
         raise ValueError(f"only local `$ref`s (\"#/...\") are supported, got {ref!r} "
                          f"(at {_pointer((*path, '$ref'))})")  # fmt: skip
-    for keyword in _ONE:
-        _check_supported(schema.get(keyword), (*path, keyword))
-    for keyword in _LIST:
+    for keyword in _SCHEMAS:
         _check_supported(schema.get(keyword), (*path, keyword))
     for keyword in _MAP:
         for name, sub in (schema.get(keyword) or {}).items():

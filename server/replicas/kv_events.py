@@ -75,12 +75,3 @@ class RouterView:
             else:
                 self.blocks.clear()
         self.last_seq = max(self.last_seq, window.get("last_seq", 0))
-
-    def cached_prefix(self, block_hashes: list[bytes]) -> int:
-        """How many of these chained block hashes, from the first, this replica holds."""
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in self.blocks:
-                break
-            count += 1
-        return count

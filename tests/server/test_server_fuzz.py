@@ -29,10 +29,9 @@ from server.protocol import (
     SEED_MIN,
     ChatCompletionRequest,
     CompletionRequest,
-    at_most_one_constraint,
 )
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
-from server.tool_calls import template_tools, tool_constraint
+from server.tool_calls import output_constraint, template_tools
 from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
 from tests.server.conftest import RunningServer, make_engine, running_server
 
@@ -135,12 +134,12 @@ def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
     """Whether the request's output constraint is one (at most) that compiles, and its tools
     (if any) can be used with this template: the rules JSON Schema cannot state for them."""
     try:
-        found = [req.structured_output()]
         if isinstance(req, ChatCompletionRequest):
             req.check_tools()
-            found.append(tool_constraint(req))
+            constraint = output_constraint(req)
             template_tools(req, tokenizer.chat_template)
-        constraint = at_most_one_constraint([c for c in found if c is not None])
+        else:
+            constraint = req.structured_output()
         if constraint is not None:
             _grammars(tokenizer).compile(constraint[0])
     except (OpenAIError, ValueError):
