@@ -283,12 +283,16 @@ class LLMEngine:
         # The scheduler already stopped it on eos or a stop token id: that token's text is left out.
         stop_token = req.status is RequestStatus.FINISHED_STOPPED
         new_text, hit_stop = detok.add_token(sampled.token_id, is_stop_token=stop_token)
-        # A grammar that is complete (or that the token broke) ends the request as a stop.
+        # A grammar that is complete (or that the token broke) ends the request as a stop;
+        # unlike a stop string, it leaves the text held back so far in the output.
         grammar_done = self.structured_outputs.accept(req.request_id, sampled.token_id)
-        if (hit_stop or grammar_done) and not req.is_finished:
+        if hit_stop and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        elif req.is_finished and not stop_token:
-            new_text += detok.finish()
+        else:
+            if grammar_done and not req.is_finished:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            if req.is_finished and not stop_token:
+                new_text += detok.finish()
         new_logprobs = self._record_logprob(req.request_id, sampled.logprob)
         output = RequestOutput(
             request_id=req.request_id,

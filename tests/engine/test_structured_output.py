@@ -282,3 +282,12 @@ def test_the_mask_forbids_exactly_the_zero_bits(monkeypatch, native, vocab):
         expected = logits[row].masked_fill(~allowed[row], float("-inf"))
         assert torch.equal(masked[row], expected)
     assert torch.equal(masked[1], logits[1]) and torch.equal(masked[3], logits[3])
+
+
+def test_text_held_back_for_a_stop_string_is_kept_when_the_grammar_ends_the_request(llm):
+    """With eos ignored the grammar, not eos, ends the request: text the detokenizer held
+    back (it could have begun a stop string) is the output's end and must not be lost."""
+    spec = StructuredOutputs.choices(["yes", "no"])
+    stop = ["yes, surely", "no, surely"]
+    (out,) = chat(llm, spec, max_tokens=50, ignore_eos=True, stop=stop, **GREEDY)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
