@@ -24,10 +24,10 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from transformers import AutoModelForCausalLM, TextIteratorStreamer
+from transformers import TextIteratorStreamer
 
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer, resolve_model_dir
+from engine.loader import load_reference_model, load_tokenizer, resolve_model_dir
 
 
 @dataclass
@@ -46,7 +46,7 @@ class NaiveModel:
         model_dir = resolve_model_dir(model)
         self.dtype = EngineConfig(dtype=dtype).resolve_dtype(torch.device("cpu"))
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        self.model = load_reference_model(model_dir, self.dtype)
         self.model.eval()
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self.lock = threading.Lock()  # one request at a time: the naive part

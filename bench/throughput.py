@@ -257,13 +257,9 @@ def main() -> None:
         report[f"decode_floor_ms_b{batch}"] = max(mem_floor, flop_floor) * 1e3
 
     if not args.skip_transformers:
-        from transformers import AutoModelForCausalLM
+        from engine.loader import load_reference_model, resolve_model_dir
 
-        from engine.loader import resolve_model_dir
-
-        hf = AutoModelForCausalLM.from_pretrained(
-            resolve_model_dir(None), dtype=llm.engine.dtype
-        ).eval()
+        hf = load_reference_model(resolve_model_dir(None), llm.engine.dtype)
         pad = llm.tokenizer.pad_token_id or 0
         hf_shared = run_transformers(hf, work.shared, args.max_tokens, args.hf_batch, pad)
         hf_unique = run_transformers(hf, work.unique, args.max_tokens, args.hf_batch, pad)

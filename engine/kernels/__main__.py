@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from engine.kernels import cpu_kernels, cpu_kernels_supported
+from engine.kernels import (
+    GGML_KERNEL_FLAGS,
+    cpu_flags,
+    cpu_kernels,
+    cpu_kernels_supported,
+    ggml_kernels,
+)
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 if not cpu_kernels_supported():
@@ -13,3 +19,9 @@ elif cpu_kernels() is None:
     print("CPU kernels: build failed (see the warning above); torch's ops serve")
 else:
     print("CPU kernels: built")
+if not cpu_flags() >= GGML_KERNEL_FLAGS:
+    print("GGUF kernels: not built (no AVX2/FMA/F16C; GGUF weights are dequantized at load)")
+elif ggml_kernels() is None:
+    print("GGUF kernels: build failed (see the warning above); GGUF weights are dequantized")
+else:
+    print("GGUF kernels: built")

@@ -19,6 +19,11 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   Up to 4 rows the kernel multiplies without rounding the weights at all; 6 bits a weight,
   a 2.7x smaller read than bf16, which is what a decode step waits on. A model converted
   from a Q4_1 GGUF (the default model) quantizes back to its own blocks: lossless.
+* ``quantization="gguf"`` (CPU, float32 or bf16): a GGUF's weights stay in their ggml
+  blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
+  `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do), and
+  every call goes through `ggml_linear` on int8-quantized activations, as llama.cpp
+  computes. A projection with any part in another format is dequantized whole instead.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
 int4 layers load their weights in float32, so they are rounded once, by the quantizer
@@ -33,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import bf16_cpu_kernels
+from engine.gguf_weights import GGUFTensor
+from engine.kernels import bf16_cpu_kernels, ggml_kernels
 
 # Up to this many rows the skinny kernel beats torch's bf16 matmul on the default model's
 # shapes (1.7x at 1 row, 1.4-1.9x at 4, 1.0-1.3x at 8, 0.8-1.2x at 16-32).
@@ -49,7 +55,8 @@ INT8_GROUP = 64
 # INT4_KERNEL_MAX_ROWS; beyond that (prefill) torch multiplies a dequantized copy.
 INT4_GROUP = 32
 INT4_KERNEL_MAX_ROWS = 64
-QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs
+QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs from float weights
+GGUF = "gguf"  # keep a GGUF's own blocks
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -161,7 +168,7 @@ class Linear(nn.Module):
         quantization: str | None = None,
     ) -> None:
         super().__init__()
-        if quantization is not None and quantization not in QUANTIZATIONS:
+        if quantization is not None and quantization not in (*QUANTIZATIONS, GGUF):
             raise ValueError(f"unknown quantization {quantization!r}")
         self.quantization = quantization
         load_dtype = torch.float32 if quantization == "int4" else dtype  # see the docstring
@@ -170,12 +177,42 @@ class Linear(nn.Module):
         self.scales: torch.Tensor | None = None  # int8, int4: [out, in / group]
         self.mins: torch.Tensor | None = None  # int4: [out, in / INT4_GROUP]
         self.kernel: ModuleType | None = None  # set by `pack`
+        # gguf: the blocks kept by `load`, by first row; after `pack`, in row order
+        self.blocks: dict[int, GGUFTensor] = {}
+        self.dense_rows = 0  # gguf: rows that arrived in a format kept dense
+        self.dequantized: set[str] = set()  # gguf: the block types it holds dense
+        self.ggml: tuple[list[torch.Tensor], list[int]] | None = None
+
+    def load(self, tensor: torch.Tensor | GGUFTensor, rows: tuple[int, int] | None) -> None:
+        """The weight loader: ``tensor`` holds this projection's rows ``rows`` (first,
+        count; None: all). GGUF blocks are kept where `quantization` is gguf and the
+        kernels multiply their format, else dequantized into the dense weight."""
+        dest = self.weight if rows is None else self.weight.narrow(0, rows[0], rows[1])
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        if isinstance(tensor, GGUFTensor):
+            if self.quantization == GGUF and tensor.native:
+                self.blocks[0 if rows is None else rows[0]] = tensor
+                return
+            self.dequantized.add(tensor.type.name)
+            tensor = tensor.dequantize(torch.float32)
+        self.dense_rows += dest.shape[0]
+        dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
 
     def pack(self) -> None:
         """Lay the loaded weight out for this device, dtype and quantization (see the
         module docstring)."""
+        if self.blocks and not self.dense_rows:  # all in kernel formats: keep the blocks
+            parts = [self.blocks[row] for row in sorted(self.blocks)]
+            self.ggml = ([p.blocks for p in parts], [int(p.type) for p in parts])
+            self.weight = None
+            return
+        for row, part in self.blocks.items():  # a mix: all dense
+            self.dequantized.add(part.type.name)
+            self.weight.data.narrow(0, row, part.shape[0]).copy_(part.dequantize(self.weight.dtype))
+        self.blocks.clear()
         w = self.weight.data
-        quantization = self.quantization
+        quantization = None if self.quantization == GGUF else self.quantization
         if quantization == "int4":
             packed, self.scales, self.mins = quantize_int4(w)
             self.weight = nn.Parameter(packed, requires_grad=False)
@@ -191,12 +228,26 @@ class Linear(nn.Module):
             self.weight.data = w.t().contiguous().t()
         self.kernel = kernel_for(self.weight)
 
+    def formats(self) -> list[str]:
+        """What its weights run as: GGUF block types (one per fused part), else the
+        quantization or dtype, naming the GGUF types dequantized into it (the fallback
+        for a format the kernels do not multiply)."""
+        if self.ggml is not None:
+            return [GGUFTensor.type_name(t) for t in self.ggml[1]]
+        dense = str(self.weight.dtype).removeprefix("torch.")
+        if self.dequantized and self.quantization == GGUF:
+            return [f"{dense} (dequantized {'+'.join(sorted(self.dequantized))})"]
+        return [self.quantization or dense]
+
     @property
     def kernel_max_rows(self) -> int:
         """The most rows `forward` sends through the kernel (0: it has none)."""
         return 0 if self.kernel is None else kernel_max_rows(self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ggml is not None:
+            y = ggml_kernels().ggml_linear(x, *self.ggml)
+            return y if self.bias is None else y + self.bias
         if self.mins is not None:
             return project_int4(x, self.weight, self.scales, self.mins, self.bias, self.kernel)
         return project(x, self.weight, self.bias, self.scales, self.kernel)

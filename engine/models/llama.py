@@ -27,15 +27,11 @@ from torch import nn
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.distributed import TensorParallel
-from engine.kernels import bf16_cpu_kernels
-from engine.models.linear import Linear, kernel_for, project, quantize_int8
+from engine.gguf_weights import GGUFTensor
+from engine.kernels import bf16_cpu_kernels, ggml_kernels
+from engine.models.linear import GGUF, Linear, kernel_for, project
 
 __all__ = ["LlamaForCausalLM"]
-
-# The int8 LM head: Q8_0's block, and the rows where its kernel beats the bf16 one
-# (1.4-1.6x at 1-4 rows, 0.7-1.0x at 8: `python -m bench.skinny_gemm`).
-HEAD_INT8_GROUP = 32
-HEAD_INT8_MAX_ROWS = 4
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -256,8 +252,9 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str | None = None,  # None: torch's default device
         attn_backend: str = "auto",
         max_model_len: int | None = None,
-        quantization: str | None = None,  # of the decoder layers' projections
-        head_quantization: str | None = None,  # "int8": the LM head in groups of 32 as well
+        # "int8", "int4": the decoder layers' projections, quantized from float weights;
+        # "gguf": a GGUF's blocks kept as they are, for the embedding and head as well
+        quantization: str | None = None,
         tp: TensorParallel | None = None,  # this rank's shard (engine/distributed.py)
     ) -> None:
         super().__init__()
@@ -304,15 +301,12 @@ class LlamaForCausalLM(nn.Module):
         # A decode-only step's layers in one native call (set by `pack_weights` where the
         # fused ops and the cpu-paged backend serve): (the stack, the most rows it takes).
         self.decode_stack: tuple[Any, int] | None = None
-        if head_quantization not in (None, "int8"):
-            raise ValueError(f"unknown head quantization {head_quantization!r}")
-        if tp is not None and (head_quantization or quantization):
+        if tp is not None and quantization:
             raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
-        self.head_quantization = head_quantization
-        # int8 head: (q, scales) quantized by `load_weights` from the checkpoint's float32
-        # tensor, so a GGUF's Q8_0 blocks come back exactly; the bf16 head stays for
-        # prefill-sized calls (and is the embedding when tied).
-        self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quantization = quantization
+        # gguf: the embedding's and the LM head's blocks (the same when tied), where kept
+        self.embed_blocks: GGUFTensor | None = None
+        self.head_blocks: GGUFTensor | None = None
         self.rotary = RotaryEmbedding(
             hf_config, self.head_dim, self.max_position_embeddings, dtype, device
         )
@@ -330,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         if self.fused_ops is not None:
             return self._forward_fused(hidden, positions, kv_caches, meta)
         cos, sin = self.rotary.lookup(positions)
@@ -358,11 +352,37 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer.forward_fused(ops, hidden, residual, cos, sin, kv_cache, meta)
         return ops.add_rms_norm(hidden, residual, self.norm, self.eps)[0]
 
+    def weight_formats(self) -> str:
+        """What each weight group runs as, for the start-up line: e.g. ``projections
+        Q4_K x154 + Q6_K x23, embedding Q6_K, head = embedding``."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            for linear in layer.linears():
+                for name in linear.formats():
+                    counts[name] = counts.get(name, 0) + 1
+        parts = " + ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
+        dtype = str(self.dtype).removeprefix("torch.")
+        embed = self.embed_blocks.type.name if self.embed_blocks is not None else dtype
+        head = self.head_blocks.type.name if self.head_blocks is not None else dtype
+        head = "= embedding" if self.tie_word_embeddings else head
+        return f"projections {parts}, embedding {embed}, head {head}"
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows ``[T, H]`` (dequantized per token where kept in
+        GGUF blocks)."""
+        blocks = self.embed_blocks
+        if blocks is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        rows = ggml_kernels().ggml_dequantize(
+            blocks.blocks, int(blocks.type), blocks.shape[1], input_ids
+        )
+        return rows.to(self.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
-        if self.head_int8 is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
-            q, scales = self.head_int8
-            return project(hidden, q, scales=scales, kernel=self.head_kernel).float()
+        head = self.head_blocks
+        if head is not None:
+            return ggml_kernels().ggml_linear(hidden, [head.blocks], [int(head.type)]).float()
         if self.tp is None:
             return project(hidden, self.lm_head, kernel=self.head_kernel).float()
         rows = self.head_rows
@@ -386,18 +406,22 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding matrix is the head
-            target, rows, shard = self._route(name)
-            tensor = self._tp_slice(name, tensor)
-            dest = target if rows is None else target.narrow(0, rows[0], rows[1])
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
-            if self.head_quantization and dest is self.lm_head:
-                self.head_int8 = tuple(  # type: ignore[assignment]
-                    t.to(dest.device) for t in quantize_int8(tensor.float(), group=HEAD_INT8_GROUP)
-                )
+            target, rows, shard, linear = self._route(name)
+            if linear is not None and self.tp is None:
+                try:
+                    linear.load(tensor, rows)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+            elif not self._keep_blocks(target, tensor):
+                if isinstance(tensor, GGUFTensor):
+                    tensor = tensor.dequantize(torch.float32)
+                tensor = self._tp_slice(name, tensor)
+                dest = target if rows is None else target.narrow(0, rows[0], rows[1])
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
             loaded.add(name)
             filled.add(shard)
         missing = sorted(f"{p}[{s}]" if s else p for p, s in self._expected_shards() - filled)
@@ -405,15 +429,35 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
         return loaded
 
+    def _keep_blocks(self, target: torch.Tensor, tensor: Any) -> bool:
+        """Keep a GGUF embedding's or head's blocks as they are (quantization gguf)."""
+        keep = isinstance(tensor, GGUFTensor) and self.quantization == GGUF and tensor.native
+        if keep and target is self.embed_tokens:
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"embedding shape {tensor.shape} != {tuple(target.shape)}")
+            self.embed_blocks = tensor
+            if self.tie_word_embeddings:
+                self.head_blocks = tensor
+        elif keep and target is self.lm_head:
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"LM head shape {tensor.shape} != {tuple(target.shape)}")
+            self.head_blocks = tensor
+        return keep
+
     def pack_weights(self) -> None:
         """After `load_weights`: lay each projection out for this device, dtype and
-        quantization (see `engine.models.linear`). The LM head stays in the model dtype:
-        it is the tied embedding, and quantizing it too cost greedy agreement (31% vs 50%
-        of tokens before the first divergence, for 20% of the weight bytes), unless
-        ``head_quantization`` asked for int8, which only `auto` does where it is exact."""
+        quantization (see `engine.models.linear`). The LM head stays in the model dtype
+        (it is the tied embedding, and int8/int4 on it cost greedy agreement: 31% vs 50%
+        of tokens before the first divergence, for 20% of the weight bytes), unless it
+        came in GGUF blocks that quantization gguf keeps."""
         for layer in self.layers:
             for linear in layer.linears():
                 linear.pack()
+        if self.embed_blocks is not None:  # its dense copy was never written: drop it
+            self.embed_tokens = None
+        if self.head_blocks is not None:
+            self.lm_head = None
+            return
         self.head_kernel = kernel_for(self.lm_head)
         self.decode_stack = self._build_decode_stack()
 
@@ -444,15 +488,18 @@ class LlamaForCausalLM(nn.Module):
         )  # fmt: skip
         return stack, max_rows
 
-    def _route(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str]]:
-        """Map a transformers name to (our tensor, (row offset, rows) or None, shard key)."""
+    def _route(
+        self, name: str
+    ) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str], Linear | None]:
+        """Map a transformers name to (our tensor, (row offset, rows) or None, shard key,
+        the `Linear` whose weight it is, which loads it itself, or None)."""
         top = {
             "model.embed_tokens.weight": "embed_tokens",
             "model.norm.weight": "norm",
             "lm_head.weight": "lm_head",
         }
         if name in top:
-            return getattr(self, top[name]), None, (top[name], "")
+            return getattr(self, top[name]), None, (top[name], ""), None
         parts = name.split(".")
         if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
             raise ValueError(f"unexpected weight name {name!r}")
@@ -468,7 +515,7 @@ class LlamaForCausalLM(nn.Module):
                 or parts[4] != "weight"
             ):
                 raise ValueError(f"unexpected weight name {name!r}")
-            return getattr(layer, module), None, (prefix + module, "")
+            return getattr(layer, module), None, (prefix + module, ""), None
         module, proj, kind = parts[3], parts[4], parts[5]
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         inter = layer.intermediate_size
@@ -484,11 +531,13 @@ class LlamaForCausalLM(nn.Module):
         if (module, proj) not in fused or kind not in ("weight", "bias"):
             raise ValueError(f"unexpected weight name {name!r}")
         ours, rows = fused[(module, proj)]
-        target = getattr(getattr(layer, f"{ours}_proj"), kind)
+        linear = getattr(layer, f"{ours}_proj")
+        target = getattr(linear, kind)
         if target is None:
             raise ValueError(f"unexpected weight name {name!r} (this config has no such bias)")
         attr = f"{ours}_proj" if kind == "weight" else f"{ours}_bias"
-        return target, rows, (prefix + attr, proj if rows else "")
+        owner = linear if kind == "weight" else None
+        return target, rows, (prefix + attr, proj if rows else ""), owner
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor: rows of the column-parallel

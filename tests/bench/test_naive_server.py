@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from bench.loadgen import LoadConfig, run_load
 from bench.naive_server import NaiveModel, build_app
 from bench.workloads import Prompt
+from engine.loader import load_reference_model
 from tests.server.conftest import _UvicornThread
 
 NAME = "naive-tiny"
@@ -36,7 +36,7 @@ def naive_url(naive: NaiveModel) -> Iterator[str]:
 
 
 def greedy_reference(model_dir: Path, prompt_ids: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = load_reference_model(model_dir, torch.float32)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                          min_new_tokens=n, do_sample=False, pad_token_id=2)  # fmt: skip

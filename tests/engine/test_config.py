@@ -171,24 +171,32 @@ def test_quantization_without_the_kernel_is_refused_naming_the_cpu(monkeypatch, 
     EngineConfig().check_quantization(torch.device("cpu"), torch.float32)  # nothing asked
 
 
-def test_auto_quantization_is_what_the_checkpoints_blocks_hold_exactly(monkeypatch):
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+def test_auto_quantization_serves_a_gguf_in_its_own_blocks(monkeypatch):
+    monkeypatch.setattr(config_module, "ggml_kernels", lambda: object())
+    cpu, bf16, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
     auto = EngineConfig()
     assert auto.quantization == "auto"
-    gguf = {"layers": ["Q4_1"], "head": "Q8_0"}  # the default model
-    assert auto.resolve_quantization(cpu, bf16, gguf) == Quantization("int4", "int8")
-    assert auto.resolve_quantization(cpu, bf16, None) == Quantization()  # Hugging Face dir
-    mixed = {"layers": ["Q4_1", "Q6_K"], "head": "Q6_K"}
-    assert auto.resolve_quantization(cpu, bf16, mixed) == Quantization()
-    assert auto.resolve_quantization(cpu, torch.float32, gguf) == Quantization()  # reference
-    assert auto.resolve_quantization(torch.device("cuda"), bf16, gguf) == Quantization()
+    native = Quantization("gguf", "gguf")
+    assert auto.resolve_quantization(cpu, bf16, True) == native
+    assert auto.resolve_quantization(cpu, f32, True) == native  # dtype auto resolved to f32
+    assert auto.resolve_quantization(cpu, bf16, False) == Quantization()  # Hugging Face dir
+    # Blocks hold the weights, so "auto"'s dtype is the activations': float32 ones.
+    assert auto.resolve_dtype(cpu, True) == f32
+    assert EngineConfig(dtype="bfloat16").resolve_dtype(cpu, True) == bf16
+    reference = EngineConfig(dtype="float32")  # asked for: every weight dequantized exactly
+    assert reference.resolve_quantization(cpu, f32, True) == Quantization()
+    assert auto.resolve_quantization(torch.device("cuda"), bf16, True) == Quantization()
+    assert EngineConfig(tensor_parallel_size=2).resolve_quantization(cpu, bf16, True) == (
+        Quantization()
+    )
     for off in (None, "none"):
-        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, gguf) == (None, None)
-    asked = EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, gguf)
+        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, True) == (None, None)
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
+    asked = EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, True)
     assert asked == Quantization("int8", None)  # asked for: the head stays as it is
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
-    assert auto.resolve_quantization(cpu, bf16, gguf) == Quantization()  # no AVX512-BF16
+    monkeypatch.setattr(config_module, "ggml_kernels", lambda: None)
+    assert auto.resolve_quantization(cpu, bf16, True) == Quantization()  # no AVX2 kernels
+    assert auto.resolve_dtype(cpu, True) == auto.resolve_dtype(cpu, False)
 
 
 def test_bytes_per_block():

@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.loader import load_reference_model
 from tests.engine.tiny_models import make_tiny_model_dir
 
 NEW_TOKENS = 24
@@ -21,7 +21,7 @@ NEW_TOKENS = 24
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference tokens, one prompt at a time so no padding enters the comparison."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load_reference_model(model_dir, torch.float32)
     outs = []
     with torch.inference_mode():
         for p in prompts:

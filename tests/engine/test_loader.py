@@ -1,5 +1,6 @@
 """engine.loader: resolve the default model, a HF directory or a .gguf; config, tokenizer,
-weights and eos; the GGUF is converted once, atomically, and losslessly."""
+weights and eos; a GGUF's config and tokenizer are cached once, atomically, and its weights
+are read from the file itself, equal to what transformers reads."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, GPT2Config
 
 from engine import loader
+from engine.gguf_weights import GGUFTensor
 from engine.loader import (
     DEFAULT_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
@@ -42,33 +44,41 @@ def _no_conversion(*_args, **_kwargs):
 # -- the default model ----------------------------------------------------------------------
 
 
-def test_default_model_is_converted_into_a_complete_hf_dir():
+def test_default_model_is_cached_as_its_config_and_tokenizer_only():
     model_dir = default_model_dir()
     assert model_dir.parent == cache_dir() / "models"
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (model_dir / name).is_file(), name
+    assert not list(model_dir.glob("*.safetensors"))  # the weights stay in the GGUF
     source = json.loads((model_dir / loader.SOURCE_FILE).read_text())
-    assert source["sha256"] == loader.file_sha256(default_gguf_path())
-    types = {"layers": ["Q4_1"], "head": "Q8_0"}  # what `quantization="auto"` reads
-    assert source[loader.TYPES_KEY] == types
-    assert loader.source_weight_types(model_dir) == types
+    assert source["sha256"] == loader.gguf_fingerprint(default_gguf_path())
+    assert loader.source_gguf(model_dir) == default_gguf_path()
     assert model_dir.name.endswith(source["sha256"][:16])
     assert not list(model_dir.parent.glob(".tmp-*"))
 
 
 def test_second_resolve_reuses_the_cache(monkeypatch):
     model_dir = default_model_dir()
-    mtime = (model_dir / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", _no_conversion)
+    mtime = (model_dir / "config.json").stat().st_mtime_ns
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", _no_conversion)
     assert resolve_model_dir(None, cache_dir()) == model_dir
     assert resolve_model_dir(DEFAULT_MODEL_NAME, cache_dir()) == model_dir
-    assert (model_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (model_dir / "config.json").stat().st_mtime_ns == mtime
 
 
 def test_gguf_path_resolves_to_the_same_cached_dir(monkeypatch):
     model_dir = default_model_dir()
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", _no_conversion)
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", _no_conversion)
     assert resolve_model_dir(str(default_gguf_path()), cache_dir()) == model_dir
+
+
+def test_a_gguf_whose_file_is_gone_is_named(tmp_path):
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(default_gguf_path().read_bytes())
+    model_dir = resolve_model_dir(copy, tmp_path / "cache")
+    copy.unlink()
+    with pytest.raises(FileNotFoundError, match="copy.gguf"):
+        next(iter_weights(model_dir))
 
 
 def test_default_model_config_is_smollm2_llama():
@@ -92,7 +102,7 @@ def test_default_tokenizer_round_trips_text_and_knows_the_chat_tokens():
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_default_weights_have_transformers_names_and_shapes():
+def test_default_weights_have_transformers_names_shapes_and_file_types():
     weights = dict(iter_weights(default_model_dir()))
     assert len(weights) == 2 + 30 * 9  # embeddings, final norm, 9 tensors per layer
     assert "lm_head.weight" not in weights  # tied to the embeddings, stored once
@@ -109,14 +119,20 @@ def test_default_weights_have_transformers_names_and_shapes():
     }
     for name, shape in expected.items():
         assert tuple(weights[name].shape) == shape, name
-    assert {t.dtype for t in weights.values()} == {torch.float32}
+    blocks = {n: w for n, w in weights.items() if isinstance(w, GGUFTensor)}
+    dense = {n: w for n, w in weights.items() if n not in blocks}
+    assert {w.type.name for n, w in blocks.items() if ".layers." in n} == {"Q4_1"}
+    assert blocks["model.embed_tokens.weight"].type.name == "Q8_0"
+    assert all(n.endswith("norm.weight") for n in dense)  # only the norms are float
+    assert {t.dtype for t in dense.values()} == {torch.float32}
 
 
-def test_iter_weights_casts_on_request():
-    name, tensor = next(iter_weights(default_model_dir(), dtype=torch.bfloat16))
-    assert tensor.dtype == torch.bfloat16
+def test_iter_weights_casts_float_tensors_on_request():
+    name = "model.norm.weight"
+    cast = dict(iter_weights(default_model_dir(), dtype=torch.bfloat16))[name]
     original = dict(iter_weights(default_model_dir()))[name]
-    assert torch.equal(tensor, original.to(torch.bfloat16))
+    assert cast.dtype == torch.bfloat16
+    assert torch.equal(cast, original.to(torch.bfloat16))
 
 
 def test_default_eos_is_im_end_as_transformers_generate_uses():
@@ -132,7 +148,7 @@ def test_default_model_not_installed_says_how_to_install(monkeypatch):
         resolve_model_dir(None, cache_dir())
 
 
-# -- conversion cache mechanics (a fake GGUF and a fake converter: milliseconds) ---------------
+# -- metadata cache mechanics (a fake GGUF and a fake writer: milliseconds) ---------------
 
 
 class FakeConverter:
@@ -160,7 +176,7 @@ def fake_gguf(tmp_path) -> Path:
 
 def test_conversion_runs_once_per_file_content(monkeypatch, tmp_path, fake_gguf):
     converter = FakeConverter()
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", converter)
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", converter)
     first = convert_gguf(fake_gguf, tmp_path / "cache")
     assert resolve_model_dir(fake_gguf, tmp_path / "cache") == first
     assert converter.calls == 1
@@ -171,19 +187,19 @@ def test_conversion_runs_once_per_file_content(monkeypatch, tmp_path, fake_gguf)
 
 
 def test_crashed_conversion_leaves_no_cache(monkeypatch, tmp_path, fake_gguf):
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", FakeConverter(fail=True))
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter(fail=True))
     with pytest.raises(RuntimeError, match="conversion crashed"):
         convert_gguf(fake_gguf, tmp_path / "cache")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
     converter = FakeConverter()
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", converter)
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", converter)
     assert (convert_gguf(fake_gguf, tmp_path / "cache") / "config.json").is_file()
     assert converter.calls == 1
 
 
 def test_concurrent_conversion_keeps_the_first_complete_dir(monkeypatch, tmp_path, fake_gguf):
     target = loader.converted_dir_for(fake_gguf, tmp_path / "cache")
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", FakeConverter(race_to=target))
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter(race_to=target))
     assert convert_gguf(fake_gguf, tmp_path / "cache") == target
     assert json.loads((target / "config.json").read_text()) == {"winner": True}
     assert [p.name for p in target.parent.iterdir()] == [target.name]
@@ -195,7 +211,7 @@ def test_temp_dirs_of_dead_conversions_are_removed(monkeypatch, tmp_path, fake_g
     alive = models / f".tmp-{os.getpid()}-xyz"
     dead.mkdir(parents=True)
     alive.mkdir()
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", FakeConverter())
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter())
     convert_gguf(fake_gguf, tmp_path / "cache")
     assert not dead.exists() and alive.exists()
 
@@ -203,7 +219,7 @@ def test_temp_dirs_of_dead_conversions_are_removed(monkeypatch, tmp_path, fake_g
 def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path, fake_gguf):
     monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "env-cache"))
     assert default_cache_dir() == tmp_path / "env-cache"
-    monkeypatch.setattr(loader, "_dequantize_gguf_to_hf_dir", FakeConverter())
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter())
     assert convert_gguf(fake_gguf).parent == tmp_path / "env-cache" / "models"
     monkeypatch.delenv(loader.CACHE_ENV)
     assert default_cache_dir() == Path.home() / ".cache" / "pagedserve"
@@ -309,34 +325,30 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
 
 
-# -- the conversion is lossless (the one slow test: transformers dequantizes the GGUF) ---------
+# -- the weights are what transformers reads (the one slow test: it dequantizes the GGUF) -----
 
 
-def test_converted_dir_equals_the_gguf_loaded_by_transformers():
+def test_gguf_weights_equal_the_gguf_loaded_by_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = default_gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     ).eval()
-    converted = AutoModelForCausalLM.from_pretrained(
-        default_model_dir(), dtype=torch.float32
-    ).eval()
+    reference = direct.state_dict()
+    weights = dict(iter_weights(default_model_dir()))
+    assert weights.keys() <= reference.keys()
+    for name, weight in weights.items():  # q/k rows un-permuted, blocks dequantized exactly
+        dense = weight.dequantize() if isinstance(weight, GGUFTensor) else weight
+        assert torch.equal(dense, reference[name]), name
 
-    direct_weights = direct.state_dict()
-    saved = dict(iter_weights(default_model_dir()))
-    assert saved.keys() <= direct_weights.keys()
-    assert all(torch.equal(saved[name], direct_weights[name]) for name in saved)
-    assert torch.equal(converted.lm_head.weight, direct.lm_head.weight)
-
+    config = load_hf_config(default_model_dir())
+    fields = ("hidden_size", "num_hidden_layers", "num_key_value_heads", "rope_parameters",
+              "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings")  # fmt: skip
+    assert all(getattr(config, f) == getattr(direct.config, f) for f in fields)
     tokenizer = AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True
     )
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    ids = tokenizer.encode(text)
-    assert ids == default_tokenizer().encode(text)
+    assert tokenizer.encode(text) == default_tokenizer().encode(text)
     assert tokenizer.chat_template == default_tokenizer().chat_template
-
-    with torch.inference_mode():
-        input_ids = torch.tensor([ids])
-        assert torch.equal(converted(input_ids).logits, direct(input_ids).logits)

@@ -1,0 +1,228 @@
+"""A GGUF file's tensors under transformers' names, read in place (memory-mapped).
+
+Quantized weights stay in their ggml blocks (`GGUFTensor`): the model keeps them as they
+are where `engine.kernels.ggml_kernels` multiplies that format (`NATIVE_TYPES`), and
+dequantizes them otherwise. Float tensors (norms, F16/BF16/F32 weights) come as torch
+tensors. Nothing is copied but llama's q/k rows, which GGUF stores permuted for
+llama.cpp's rotary layout and transformers' layout needs back (as transformers' own GGUF
+loader does).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from engine.kernels import ggml_kernels
+
+QType = GGMLQuantizationType
+# The block formats `ggml_linear` multiplies: what Q4_0, Q4_1, Q5_K_M, Q4_K_M, Q8_0 files hold.
+NATIVE_TYPES = frozenset(
+    {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K,
+     QType.Q6_K}
+)  # fmt: skip
+FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
+
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_SKIPPED = frozenset({"rope_freqs.weight"})  # llama 3's rope factors: the config has them
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A 2-D weight in its ggml blocks: ``blocks`` is uint8 ``[rows, bytes per row]``
+    (a view of the memory-mapped file), ``shape`` the logical ``(rows, cols)``."""
+
+    blocks: torch.Tensor
+    type: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @staticmethod
+    def type_name(qtype: int) -> str:
+        return GGMLQuantizationType(qtype).name
+
+    @property
+    def native(self) -> bool:
+        """Whether `ggml_linear` multiplies these blocks here."""
+        return self.type in NATIVE_TYPES and ggml_kernels() is not None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[rows, cols]`` weights, exactly as ggml dequantizes them, in ``dtype``."""
+        kernels = ggml_kernels()
+        if self.type in NATIVE_TYPES and kernels is not None:
+            dense = kernels.ggml_dequantize(self.blocks, int(self.type), self.shape[1])
+        else:  # the gguf package's numpy reference: slower, every format it knows
+            dense = torch.from_numpy(quants.dequantize(self.blocks.numpy(), self.type))
+        return dense.view(self.shape).to(dtype)
+
+    def select_rows(self, index: torch.Tensor) -> GGUFTensor:
+        """A copy holding rows ``index`` (whole rows of blocks, so exact)."""
+        return GGUFTensor(self.blocks.index_select(0, index), self.type, self.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """transformers' name for a GGUF tensor name; None for one the model does not load."""
+    if gguf_name in _SKIPPED:
+        return None
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{kind}"
+    match = _LAYER.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported model")
+    index, module, kind = match.groups()
+    return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
+
+
+def qk_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row gather that undoes convert_hf_to_gguf's q/k permutation: per head, GGUF
+    interleaves the two rotary halves (llama.cpp's layout), transformers keeps them apart."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]  # rows first, as torch has it (GGUF lists ne0 first)
+    offset: int  # from the start of the file
+
+    @property
+    def nbytes(self) -> int:
+        values, size = GGML_QUANT_SIZES[self.type]
+        return int(np.prod(self.shape)) // values * size
+
+
+# GGUF metadata value types -> struct formats (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}  # fmt: skip
+
+
+class GGUFFile:
+    """A GGUF file's scalar metadata and tensor table, and the file mapped in memory.
+
+    Parsed here rather than by `gguf.GGUFReader`, which builds an object per element of
+    the tokenizer's arrays (3 s for SmolLM2's): arrays are skipped, their bytes unread.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        # "c": a private copy-on-write map, so torch gets writable arrays without copying.
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="c")
+        self._pos = 0
+        if bytes(self.data[:4]) != b"GGUF":
+            raise ValueError(f"{self.path} is not a GGUF file")
+        self._pos = 4
+        version, tensors, kvs = self._read("<IQQ")
+        if version < 2:
+            raise ValueError(f"{self.path}: GGUF version {version} is not supported (v2+)")
+        self.metadata: dict[str, object] = {}
+        for _ in range(kvs):
+            key = self._string()
+            self.metadata[key] = self._value(self._read("<I")[0])
+        infos = []
+        for _ in range(tensors):
+            name = self._string()
+            dims = self._read(f"<{self._read('<I')[0]}Q")
+            qtype, offset = self._read("<IQ")
+            infos.append((name, GGMLQuantizationType(qtype), tuple(reversed(dims)), offset))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = [TensorInfo(n, t, s, start + o) for n, t, s, o in infos]
+
+    def array(self, info: TensorInfo) -> np.ndarray:
+        return self.data[info.offset : info.offset + info.nbytes]
+
+    def _read(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.data, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (size,) = self._read("<Q")
+        self._pos += size
+        return bytes(self.data[self._pos - size : self._pos]).decode("utf-8", "replace")
+
+    def _value(self, vtype: int) -> object:
+        if vtype in _SCALARS:
+            return self._read("<" + _SCALARS[vtype])[0]
+        if vtype == 8:
+            return self._string()
+        if vtype != 9:
+            raise ValueError(f"{self.path}: unknown GGUF metadata type {vtype}")
+        etype, count = self._read("<IQ")
+        if etype in _SCALARS:  # skipped: the loader needs no array
+            self._pos += count * struct.calcsize(_SCALARS[etype])
+        else:
+            for _ in range(count):
+                self._value(etype)
+        return None
+
+
+def _float_tensor(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple) -> torch.Tensor:
+    dtype = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+    return torch.from_numpy(data).view(dtype[qtype]).view(shape)
+
+
+def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(transformers name, dense tensor or `GGUFTensor`) for every tensor the model loads."""
+    gguf = GGUFFile(path)
+    arch = gguf.metadata.get("general.architecture")
+    heads = gguf.metadata.get(f"{arch}.attention.head_count")
+    kv_heads = gguf.metadata.get(f"{arch}.attention.head_count_kv") or heads
+    permuted = arch == "llama"  # convert_hf_to_gguf permutes q/k for llama only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # numpy -> torch of a memmap
+        for t in gguf.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            shape, qtype = t.shape, t.type
+            if qtype in FLOAT_TYPES:
+                tensor: torch.Tensor | GGUFTensor = _float_tensor(gguf.array(t), qtype, shape)
+            elif len(shape) == 2:
+                blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
+                tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]))
+            else:
+                raise ValueError(f"GGUF tensor {t.name!r} of type {qtype.name} is not 2-D")
+            if permuted and name.endswith(
+                ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+            ):
+                order = qk_row_order(shape[0], heads if "q_proj" in name else kv_heads)
+                tensor = tensor.select_rows(order) if isinstance(tensor, GGUFTensor) \
+                    else tensor.index_select(0, order)  # fmt: skip
+            yield name, tensor
+
+
+def weight_types(path: str | Path) -> dict[str, int]:
+    """How many of the file's weight tensors each GGUF type holds, e.g. ``{"Q4_K": 97}``."""
+    counts: dict[str, int] = {}
+    for t in GGUFFile(path).tensors:
+        if len(t.shape) == 2:
+            name = t.type.name
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,608 @@
+// GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
+// and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
+//
+// Two things per format, both reading the file's block bytes as they are (no repacking):
+//
+// * `ggml_dequantize`: the float32 weights, computed exactly as ggml and the `gguf`
+//   package define them (same products in the same order; this file is compiled with
+//   -ffp-contract=off so the compiler never fuses them), so a test compares bit for bit.
+// * `ggml_linear`: y = x @ W^T for one or more weights sharing x (fused q/k/v, gate/up),
+//   as llama.cpp computes it: x is quantized to int8 per 32 values (a float scale and the
+//   sums of each 16), and each block's dot product runs on integers
+//   (`_mm256_maddubs_epi16`: unsigned 4/5/6-bit q times signed 8-bit x), the weights'
+//   offsets (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q4_1's, Q5_1's and the K-quants' mins) applied once per block
+//   through the activation sums. A decode step reads each weight byte once: it is a pass
+//   over memory, and integer dots keep the arithmetic under the memory time.
+//
+// AVX2 + FMA + F16C only (every x86-64-v3 CPU), so one build serves the Xeon and the EPYC.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ggml_type ids (ggml.h), which GGUF stores per tensor.
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int64_t QK = 32;    // values per activation block and per legacy weight block
+constexpr int64_t QKK = 256;  // values per K-quant super-block
+
+struct Format {
+  int64_t block_values, block_bytes;
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "ggml type ", type, " is not supported by pagedserve's GGUF kernels");
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---------------------------------------------------------------- exact dequantization
+
+void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case Q4_0: {
+      const float d = fp16(b);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * (float)((int)(b[2 + l] & 0xF) - 8);
+        y[l + 16] = d * (float)((int)(b[2 + l] >> 4) - 8);
+      }
+      return;
+    }
+    case Q4_1: {
+      const float d = fp16(b), m = fp16(b + 2);
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d * (float)(b[4 + l] & 0xF) + m;
+        y[l + 16] = d * (float)(b[4 + l] >> 4) + m;
+      }
+      return;
+    }
+    case Q5_0:
+    case Q5_1: {  // bit j of the 32-bit qh is value j's fifth bit
+      const bool q51 = type == Q5_1;
+      const float d = fp16(b), m = q51 ? fp16(b + 2) : 0.f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int l = 0; l < 16; ++l) {
+        const int lo = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        const int hi = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        if (q51) {
+          y[l] = d * (float)lo + m;
+          y[l + 16] = d * (float)hi + m;
+        } else {
+          y[l] = d * (float)(lo - 16);
+          y[l + 16] = d * (float)(hi - 16);
+        }
+      }
+      return;
+    }
+    case Q8_0: {
+      const float d = fp16(b);
+      for (int l = 0; l < 32; ++l) y[l] = d * (float)(int8_t)b[2 + l];
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = fp16(b), dmin = fp16(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;                       // Q5_K only
+      const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
+      for (int i = 0; i < 8; ++i) {  // sub-blocks of 32: low then high nibbles of 32 bytes
+        uint8_t sc, m;
+        scale_min_k4(i, scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        const uint8_t* q = qs + 32 * (i / 2);
+        for (int l = 0; l < 32; ++l) {
+          int v = (i % 2) ? (q[l] >> 4) : (q[l] & 0xF);
+          if (type == Q5_K) v |= ((qh[l] >> i) & 1) << 4;
+          y[32 * i + l] = d1 * (float)v - m1;
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = (const int8_t*)(b + 192);
+      const float d = fp16(b + 208);
+      for (int half = 0; half < 2; ++half, ql += 64, qh += 32) {
+        for (int l = 0; l < 32; ++l) {
+          const int q[4] = {
+              ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32,
+              ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32,
+              ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32,
+              ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32,
+          };
+          for (int g = 0; g < 4; ++g) {
+            const int e = 128 * half + 32 * g + l;
+            y[e] = (d * (float)sc[e / 16]) * (float)q[g];
+          }
+        }
+      }
+      return;
+    }
+  }
+  TORCH_CHECK(false, "ggml type ", type, " is not supported by pagedserve's GGUF kernels");
+}
+
+void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
+  const Format f = format_of(type);
+  for (int64_t b = 0; b < cols / f.block_values; ++b)
+    dequantize_block(type, row + b * f.block_bytes, y + b * f.block_values);
+}
+
+void check_blocks(const torch::Tensor& w, int64_t type, int64_t cols) {
+  const Format f = format_of(type);
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2, "ggml blocks must be uint8 [rows, bytes]");
+  TORCH_CHECK(w.stride(1) == 1, "ggml block rows must be contiguous");
+  TORCH_CHECK(cols % f.block_values == 0 && w.size(1) == cols / f.block_values * f.block_bytes,
+              "a row of ", cols, " values of ggml type ", type, " takes ",
+              cols / f.block_values * f.block_bytes, " bytes, not ", w.size(1));
+}
+
+// ---------------------------------------------------------------- int8 activations
+//
+// Two layouts, as in llama.cpp: per 32 values for the 32-value formats (Q4_0, Q4_1, Q8_0),
+// per 256 for the K-quants, whose integer sums then run over a whole super-block with one
+// float multiply at its end.
+
+// 32 activations as int8 with one scale (x ~= d * q), and d times the sum of q.
+struct XBlock {
+  float d, dsum;
+  int8_t q[32];
+};
+
+// 256 activations as int8 with one scale, and the sums of q over each 16 and each 32.
+struct XBlockK {
+  float d;
+  int16_t bsums[16];
+  int16_t sums32[8];
+  int8_t q[256];
+};
+
+inline float load_value(const float* x, int64_t i) { return x[i]; }
+inline float load_value(const at::BFloat16* x, int64_t i) { return (float)x[i]; }
+
+// q = round(x / d) with d = amax / 127 over n values; returns d.
+template <typename T>
+float quantize_values(const T* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t l = 0; l < n; ++l) amax = std::max(amax, std::fabs(load_value(x, l)));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t l = 0; l < n; ++l) q[l] = (int8_t)std::nearbyint(load_value(x, l) * id);
+  return amax / 127.f;
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, XBlock* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    XBlock& o = out[b];
+    o.d = quantize_values(x + b * QK, QK, o.q);
+    int s = 0;
+    for (int l = 0; l < 32; ++l) s += o.q[l];
+    o.dsum = o.d * (float)s;
+  }
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, XBlockK* out) {
+  for (int64_t b = 0; b < K / QKK; ++b) {
+    XBlockK& o = out[b];
+    o.d = quantize_values(x + b * QKK, QKK, o.q);
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int l = 0; l < 16; ++l) s += o.q[16 * j + l];
+      o.bsums[j] = (int16_t)s;
+    }
+    for (int j = 0; j < 8; ++j) o.sums32[j] = (int16_t)(o.bsums[2 * j] + o.bsums[2 * j + 1]);
+  }
+}
+
+// ---------------------------------------------------------------- block dot products
+//
+// Each format's `dot<MT>` adds one weight block's products with MT activation rows into
+// acc[m] (8 float lanes, summed at the row's end) and off[m] (the scalar offset terms).
+// xs[m] points at row m's activation block(s) under this weight block.
+
+inline __m256i dot_us(__m256i u, __m256i s) {  // 8 int32 sums of u * s (u unsigned)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline __m256i nibbles(const uint8_t* q16) {  // 16 bytes -> 32 values: low nibbles, then high
+  const __m128i t = _mm_loadu_si128((const __m128i*)q16);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+}
+inline void add(__m256& acc, __m256i p, float scale) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
+}
+
+struct BlockQ4_0 {
+  using X = XBlock;
+  static constexpr int64_t values = 32;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
+    const float d = fp16(w);
+    const __m256i u = nibbles(w + 2);
+    for (int m = 0; m < MT; ++m) {
+      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
+      off[m] -= 8.f * d * xs[m]->dsum;
+    }
+  }
+};
+
+struct BlockQ4_1 {
+  using X = XBlock;
+  static constexpr int64_t values = 32;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
+    const float d = fp16(w), mn = fp16(w + 2);
+    const __m256i u = nibbles(w + 4);
+    for (int m = 0; m < MT; ++m) {
+      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
+      off[m] += mn * xs[m]->dsum;
+    }
+  }
+};
+
+// Q5_0/Q5_1's 32 fifth bits, as 0x10 in each value's byte.
+inline __m256i fifth_bits(const uint8_t* qh4) {
+  uint32_t qh;
+  std::memcpy(&qh, qh4, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte j <- byte j / 8 of qh
+      _mm256_set1_epi32((int)qh),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+template <bool Q51>
+struct BlockQ5 {  // Q5_0: (q - 16) * d; Q5_1: q * d + m
+  using X = XBlock;
+  static constexpr int64_t values = 32;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
+    const float d = fp16(w), mn = Q51 ? fp16(w + 2) : 0.f;
+    const __m256i u = _mm256_or_si256(nibbles(w + (Q51 ? 8 : 6)), fifth_bits(w + (Q51 ? 4 : 2)));
+    for (int m = 0; m < MT; ++m) {
+      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
+      off[m] += (Q51 ? mn : -16.f * d) * xs[m]->dsum;
+    }
+  }
+};
+
+struct BlockQ8_0 {
+  using X = XBlock;
+  static constexpr int64_t values = 32;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+    const float d = fp16(w);
+    const __m256i q = load32(w + 2);
+    const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
+    for (int m = 0; m < MT; ++m)
+      add(acc[m], dot_us(aq, _mm256_sign_epi8(load32(xs[m]->q), q)), d * xs[m]->d);
+  }
+};
+
+// Q4_K/Q5_K's twelve scale bytes -> 8 scales (bytes 0-7) and 8 mins (bytes 8-15).
+inline void unpack_scales_k4(const uint8_t* p, uint8_t* out) {
+  uint32_t u[4];
+  std::memcpy(u, p, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);  // mins 4-7
+  const uint32_t mins_low = u[1] & six;                       // mins 0-3
+  u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);          // scales 4-7
+  u[2] = mins_low;
+  u[0] &= six;                                                // scales 0-3
+  std::memcpy(out, u, 16);
+}
+
+// _mm256_shuffle_epi8 masks: int16 lane `i` of each 128-bit half broadcast to that half
+// (kBroadcast16[i]), and Q6_K's pair: int16 `2i` to the low half, `2i + 1` to the high.
+alignas(32) constexpr int8_t kBroadcast16[8][32] = {
+#define B16(i) {2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
+                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
+                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
+                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1}
+    B16(0), B16(1), B16(2), B16(3), B16(4), B16(5), B16(6), B16(7)};
+#undef B16
+alignas(32) constexpr int8_t kPair16[4][32] = {
+#define P16(i) {4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, \
+                 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, \
+                 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, \
+                 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, \
+                 4 * i + 2, 4 * i + 3}
+    P16(0), P16(1), P16(2), P16(3)};
+#undef P16
+inline __m256i mask(const int8_t* m) { return _mm256_load_si256((const __m256i*)m); }
+
+template <bool Q5>
+struct BlockQxK {  // Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
+  using X = XBlockK;
+  static constexpr int64_t values = 256;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+    const float d = fp16(w), dmin = fp16(w + 2);
+    uint8_t sm[16];
+    unpack_scales_k4(w + 4, sm);
+    // 16 int16: the 8 scales, then the 8 mins (for all rows at once, against sums32).
+    const __m256i scales_mins = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)sm));
+    const __m256i scales = _mm256_permute2x128_si256(scales_mins, scales_mins, 0x00);
+    const __m128i mins = _mm256_extracti128_si256(scales_mins, 1);
+    const uint8_t* qs = w + (Q5 ? 48 : 16);
+    const __m256i low = _mm256_set1_epi8(0xF);
+    __m256i qh = _mm256_setzero_si256();
+    if (Q5) qh = load32(w + 16);
+    __m256i sum[MT];
+    for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load32(qs + 32 * j);
+      __m256i u[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * j + h;
+        if (Q5) {  // bit i of each qh byte, moved to 0x10
+          const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, i), _mm256_set1_epi8(1));
+          u[h] = _mm256_or_si256(u[h], _mm256_slli_epi16(bit, 4));
+        }
+        const __m256i scale = _mm256_shuffle_epi8(scales, mask(kBroadcast16[i]));
+        for (int m = 0; m < MT; ++m) {
+          const __m256i p = _mm256_maddubs_epi16(u[h], load32(xs[m]->q + 32 * i));
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, scale));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m128i mp = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)xs[m]->sums32));
+      add(acc[m], sum[m], d * xs[m]->d);
+      add(acc[m], _mm256_zextsi128_si256(mp), -dmin * xs[m]->d);
+    }
+  }
+};
+
+struct BlockQ6_K {  // 16 sub-blocks of 16 with int8 scales; q in 0..63, minus 32
+  using X = XBlockK;
+  static constexpr int64_t values = 256;
+  template <int MT>
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+    const float d = fp16(w + 208);
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
+    const __m256i sc_half[2] = {_mm256_permute2x128_si256(sc, sc, 0x00),
+                                _mm256_permute2x128_si256(sc, sc, 0x11)};
+    const __m256i low = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
+    __m256i sum[MT];
+    for (int m = 0; m < MT; ++m)  // the -32 offset: 32 * sum of scale * (sum of its 16 x)
+      sum[m] = _mm256_slli_epi32(
+          _mm256_madd_epi16(sc, _mm256_loadu_si256((const __m256i*)xs[m]->bsums)), 5);
+    for (int m = 0; m < MT; ++m) sum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), sum[m]);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = w + 64 * half;
+      const __m256i a = load32(ql), b = load32(ql + 32), hb = load32(w + 128 + 32 * half);
+      const __m256i lo4[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low),
+                              _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                              _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), two);
+        const __m256i u = _mm256_or_si256(lo4[g], _mm256_slli_epi16(hi, 4));
+        const int i = 4 * half + g;  // the 32-value group: scales 2i and 2i + 1
+        const __m256i scale = _mm256_shuffle_epi8(sc_half[half], mask(kPair16[g]));
+        for (int m = 0; m < MT; ++m) {
+          const __m256i p = _mm256_maddubs_epi16(u, load32(xs[m]->q + 32 * i));
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, scale));
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) add(acc[m], sum[m], d * xs[m]->d);
+  }
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename B>
+constexpr int64_t block_bytes() {
+  if (std::is_same<B, BlockQ4_0>::value) return 18;
+  if (std::is_same<B, BlockQ4_1>::value) return 20;
+  if (std::is_same<B, BlockQ5<false>>::value) return 22;
+  if (std::is_same<B, BlockQ5<true>>::value) return 24;
+  if (std::is_same<B, BlockQ8_0>::value) return 34;
+  if (std::is_same<B, BlockQxK<false>>::value) return 144;
+  if (std::is_same<B, BlockQxK<true>>::value) return 176;
+  return 210;
+}
+
+// MT activation rows (starting at x, xstride blocks apart) against weight rows [n0, n1).
+// Two accumulator sets, alternating by block, so consecutive blocks' adds overlap.
+template <typename B, int MT, typename Out>
+void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+              const typename B::X* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  constexpr int64_t bytes = block_bytes<B>();
+  const int64_t blocks = K / B::values;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[2][MT];
+    float off[MT];
+    const typename B::X* xs[MT];
+    for (int m = 0; m < MT; ++m) {
+      acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+      off[m] = 0.f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm_prefetch((const char*)(row + (b + 8) * bytes), _MM_HINT_T0);
+      for (int m = 0; m < MT; ++m) xs[m] = x + m * xstride + b;
+      B::template dot<MT>(row + b * bytes, xs, acc[b & 1], off);
+    }
+    for (int m = 0; m < MT; ++m)
+      y[m * ldy + n] = (Out)(hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + off[m]);
+  }
+}
+
+// One weight of a fused projection: its blocks, type, and first output column.
+struct Segment {
+  const uint8_t* w;
+  int64_t rows, row_bytes, type, col0;
+};
+
+constexpr int64_t kRowsPerTask = 16;  // weight rows a task streams (reused by every x tile)
+constexpr int kTile = 4;              // activation rows per pass over a weight block
+
+// Both activation layouts of x, each made only if a weight of the call needs it.
+struct Activations {
+  std::vector<XBlock> x32;
+  std::vector<XBlockK> x256;
+};
+
+template <typename B, typename Out>
+void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                  int64_t K, Out* y, int64_t ldy) {
+  using X = typename B::X;
+  const X* xq;
+  if constexpr (std::is_same<X, XBlock>::value) xq = a.x32.data(); else xq = a.x256.data();
+  const int64_t xstride = K / B::values;
+  Out* out = y + s.col0;
+  for (int64_t m = 0; m < M; m += kTile) {
+    const X* x = xq + m * xstride;
+    Out* o = out + m * ldy;
+    switch (std::min<int64_t>(kTile, M - m)) {
+      case 1: rows_dot<B, 1>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      case 2: rows_dot<B, 2>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      case 3: rows_dot<B, 3>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      default: rows_dot<B, 4>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+    }
+  }
+}
+
+template <typename Out>
+void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                 int64_t K, Out* y, int64_t ldy) {
+  switch (s.type) {
+    case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
+    case Q4_1: return segment_rows<BlockQ4_1>(s, n0, n1, a, M, K, y, ldy);
+    case Q5_0: return segment_rows<BlockQ5<false>>(s, n0, n1, a, M, K, y, ldy);
+    case Q5_1: return segment_rows<BlockQ5<true>>(s, n0, n1, a, M, K, y, ldy);
+    case Q8_0: return segment_rows<BlockQ8_0>(s, n0, n1, a, M, K, y, ldy);
+    case Q4_K: return segment_rows<BlockQxK<false>>(s, n0, n1, a, M, K, y, ldy);
+    case Q5_K: return segment_rows<BlockQxK<true>>(s, n0, n1, a, M, K, y, ldy);
+    case Q6_K: return segment_rows<BlockQ6_K>(s, n0, n1, a, M, K, y, ldy);
+  }
+}
+
+template <typename T>
+Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Activations a;
+  if (x32) a.x32.resize(M * (K / QK));
+  if (x256) a.x256.resize(M * (K / QKK));
+  const T* data = x.data_ptr<T>();
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (x32) quantize_row(data + m * K, K, a.x32.data() + m * (K / QK));
+      if (x256) quantize_row(data + m * K, K, a.x256.data() + m * (K / QKK));
+    }
+  });
+  return a;
+}
+
+}  // namespace
+
+// The float32 [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`).
+torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
+                              c10::optional<torch::Tensor> ids) {
+  check_blocks(w, type, cols);
+  torch::Tensor rows = ids.has_value() ? ids->to(torch::kLong).contiguous()
+                                       : torch::arange(w.size(0), torch::kLong);
+  const int64_t n = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < w.size(0), "row ", r[i], " out of range");
+  torch::Tensor y = torch::empty({n, cols}, torch::kFloat);
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  const int64_t stride = w.stride(0);
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequantize_row(type, base + r[i] * stride, cols, out + i * cols);
+  });
+  return y;
+}
+
+// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype.
+torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                          std::vector<int64_t> types) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(weights.size() == types.size() && !weights.empty(), "one type per weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  std::vector<Segment> segs;
+  int64_t cols = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_blocks(weights[i], types[i], K);
+    segs.push_back({weights[i].data_ptr<uint8_t>(), weights[i].size(0), weights[i].stride(0),
+                    types[i], cols});
+    cols += weights[i].size(0);
+  }
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
+  bool x32 = false, x256 = false;
+  for (const Segment& seg : segs) (format_of(seg.type).block_values == QKK ? x256 : x32) = true;
+  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256)
+                              : quantize_activations<float>(x, x32, x256);
+  torch::Tensor y = torch::empty({M, cols}, x.options());
+  // Tasks: runs of kRowsPerTask weight rows, over all segments, split between threads.
+  std::vector<std::pair<int, int64_t>> tasks;
+  for (size_t i = 0; i < segs.size(); ++i)
+    for (int64_t n = 0; n < segs[i].rows; n += kRowsPerTask) tasks.push_back({(int)i, n});
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Segment& s = segs[tasks[t].first];
+      const int64_t n0 = tasks[t].second, n1 = std::min(s.rows, n0 + kRowsPerTask);
+      if (bf16)
+        run_segment(s, n0, n1, xq, M, K, y.data_ptr<at::BFloat16>(), cols);
+      else
+        run_segment(s, n0, n1, xq, M, K, y.data_ptr<float>(), cols);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("ggml_dequantize", &ggml_dequantize, "float32 weights of ggml blocks (exact)",
+        py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(), nogil);
+  m.def("ggml_linear", &ggml_linear, "x @ W^T on ggml blocks, int8 activations", py::arg("x"),
+        py::arg("weights"), py::arg("types"), nogil);
+}
