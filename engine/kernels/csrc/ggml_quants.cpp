@@ -247,31 +247,45 @@ inline void add(__m256& acc, __m256i p, float scale) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
 }
 
-struct BlockQ4_0 {
+// A 32-value block's two float factors for one activation block, in vector lanes so no
+// scalar work chains block to block: lane 0 scales the integer dot product (d_w * d_x),
+// lane 1 is the block's offset term (its min, or -offset * d_w, times d_x * sum of q_x),
+// which `off` collects. `dm`: the weight's f16 d in lane 0 and f16 m (or d) in lane 1.
+inline void add_block(__m256& acc, __m128& off, __m256i p, __m128 dm, const XBlock* x) {
+  const __m128 s = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double*)&x->d)));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(s), acc);
+  off = _mm_add_ps(off, s);
+}
+inline __m128 f16_pair(const uint8_t* w) {  // [d, m]: a block's first two f16
+  uint32_t dm;
+  std::memcpy(&dm, w, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+}
+inline __m128 f16_scaled(const uint8_t* w, __m128 factors) {  // [d, d] * factors
+  uint16_t h;
+  std::memcpy(&h, w, 2);
+  return _mm_mul_ps(_mm_cvtph_ps(_mm_set1_epi16((short)h)), factors);
+}
+
+struct BlockQ4_0 {  // (q - 8) * d
   using X = XBlock;
   static constexpr int64_t values = 32;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
-    const float d = fp16(w);
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
+    const __m128 dm = f16_scaled(w, _mm_setr_ps(1.f, -8.f, 0.f, 0.f));
     const __m256i u = nibbles(w + 2);
-    for (int m = 0; m < MT; ++m) {
-      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
-      off[m] -= 8.f * d * xs[m]->dsum;
-    }
+    for (int m = 0; m < MT; ++m) add_block(acc[m], off[m], dot_us(u, load32(xs[m]->q)), dm, xs[m]);
   }
 };
 
-struct BlockQ4_1 {
+struct BlockQ4_1 {  // q * d + m
   using X = XBlock;
   static constexpr int64_t values = 32;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
-    const float d = fp16(w), mn = fp16(w + 2);
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
+    const __m128 dm = f16_pair(w);
     const __m256i u = nibbles(w + 4);
-    for (int m = 0; m < MT; ++m) {
-      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
-      off[m] += mn * xs[m]->dsum;
-    }
+    for (int m = 0; m < MT; ++m) add_block(acc[m], off[m], dot_us(u, load32(xs[m]->q)), dm, xs[m]);
   }
 };
 
@@ -292,13 +306,10 @@ struct BlockQ5 {  // Q5_0: (q - 16) * d; Q5_1: q * d + m
   using X = XBlock;
   static constexpr int64_t values = 32;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float* off) {
-    const float d = fp16(w), mn = Q51 ? fp16(w + 2) : 0.f;
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
+    const __m128 dm = Q51 ? f16_pair(w) : f16_scaled(w, _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
     const __m256i u = _mm256_or_si256(nibbles(w + (Q51 ? 8 : 6)), fifth_bits(w + (Q51 ? 4 : 2)));
-    for (int m = 0; m < MT; ++m) {
-      add(acc[m], dot_us(u, load32(xs[m]->q)), d * xs[m]->d);
-      off[m] += (Q51 ? mn : -16.f * d) * xs[m]->dsum;
-    }
+    for (int m = 0; m < MT; ++m) add_block(acc[m], off[m], dot_us(u, load32(xs[m]->q)), dm, xs[m]);
   }
 };
 
@@ -306,7 +317,7 @@ struct BlockQ8_0 {
   using X = XBlock;
   static constexpr int64_t values = 32;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w);
     const __m256i q = load32(w + 2);
     const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, and x takes q's sign
@@ -352,7 +363,7 @@ struct BlockQxK {  // Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
   using X = XBlockK;
   static constexpr int64_t values = 256;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w), dmin = fp16(w + 2);
     uint8_t sm[16];
     unpack_scales_k4(w + 4, sm);
@@ -394,7 +405,7 @@ struct BlockQ6_K {  // 16 sub-blocks of 16 with int8 scales; q in 0..63, minus 3
   using X = XBlockK;
   static constexpr int64_t values = 256;
   template <int MT>
-  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, float*) {
+  static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w + 208);
     const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + 192)));
     const __m256i sc_half[2] = {_mm256_permute2x128_si256(sc, sc, 0x00),
@@ -446,28 +457,39 @@ constexpr int64_t block_bytes() {
 }
 
 // MT activation rows (starting at x, xstride blocks apart) against weight rows [n0, n1).
-// Two accumulator sets, alternating by block, so consecutive blocks' adds overlap.
+// Several accumulator sets (vector and offset), rotating by block, so consecutive blocks'
+// adds do not wait on each other: one set would chain every block on the latency of an
+// add (3-4 cycles), longer than a block's other work at one activation row.
 template <typename B, int MT, typename Out>
 void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
               const typename B::X* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
   constexpr int64_t bytes = block_bytes<B>();
+  constexpr int SETS = MT <= 2 ? 4 : 2;  // within AVX2's 16 vector registers
   const int64_t blocks = K / B::values;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    __m256 acc[2][MT];
-    float off[MT];
+    __m256 acc[SETS][MT];
+    __m128 off[SETS][MT];
     const typename B::X* xs[MT];
-    for (int m = 0; m < MT; ++m) {
-      acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-      off[m] = 0.f;
-    }
+    for (int s = 0; s < SETS; ++s)
+      for (int m = 0; m < MT; ++m) {
+        acc[s][m] = _mm256_setzero_ps();
+        off[s][m] = _mm_setzero_ps();
+      }
     for (int64_t b = 0; b < blocks; ++b) {
       _mm_prefetch((const char*)(row + (b + 8) * bytes), _MM_HINT_T0);
       for (int m = 0; m < MT; ++m) xs[m] = x + m * xstride + b;
-      B::template dot<MT>(row + b * bytes, xs, acc[b & 1], off);
+      B::template dot<MT>(row + b * bytes, xs, acc[b % SETS], off[b % SETS]);
     }
-    for (int m = 0; m < MT; ++m)
-      y[m * ldy + n] = (Out)(hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + off[m]);
+    for (int m = 0; m < MT; ++m) {
+      __m256 total = acc[0][m];
+      __m128 offset = off[0][m];
+      for (int s = 1; s < SETS; ++s) {
+        total = _mm256_add_ps(total, acc[s][m]);
+        offset = _mm_add_ps(offset, off[s][m]);
+      }  // lane 1 of `offset`: the blocks' offset terms
+      y[m * ldy + n] = (Out)(hsum(total) + _mm_cvtss_f32(_mm_movehdup_ps(offset)));
+    }
   }
 }
 
