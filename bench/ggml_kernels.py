@@ -1,0 +1,103 @@
+"""The GGUF kernels' effective read bandwidth against the machine's, in the same run.
+
+    .venv/bin/python -m bench.ggml_kernels                 # a 1B layer's shapes, every type
+    .venv/bin/python -m bench.ggml_kernels --rows 1,4,16
+
+A decode step reads every weight byte once, so a decode kernel is as fast as it can be when
+it streams the weights at the machine's read bandwidth. This measures that bandwidth (a
+STREAM-like sum over a 1 GiB buffer, far larger than any cache, on torch's threads), then
+times `ggml_linear` on one 1B-class layer's projections (TinyLlama-1.1B's: fused q/k/v
+2048 -> 2560, o 2048 -> 2048, fused gate/up 2048 -> 11264, down 5632 -> 2048) in each
+format, cycling through enough copies of the layer that nothing stays in cache, and prints
+the weight bytes read per second as a share of the measured bandwidth. Medians of
+`--repeat` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from bench.compare import machine_line
+from engine.kernels import ggml_kernels
+
+# (out, in) of each projection of a TinyLlama-1.1B layer, q/k/v and gate/up fused.
+LAYER = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+COPIES = 8  # of the layer: 8 x 35-100 MB, past any L3
+
+
+def median_seconds(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth(repeat: int) -> float:
+    """GB/s of a sum over a 1 GiB float32 buffer on torch's threads."""
+    buf = torch.ones(1 << 28)
+    return buf.numel() * 4 / median_seconds(buf.sum, repeat) / 1e9
+
+
+def layer_blocks(qtype: GGMLQuantizationType) -> list[torch.Tensor]:
+    values, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    return [torch.from_numpy(rng.integers(0, 256, (n, k // values * size), dtype=np.uint8))
+            for n, k in LAYER]  # fmt: skip
+
+
+def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
+    """(ms per layer, GB/s of weights read) for `rows` activation rows."""
+    kernels = ggml_kernels()
+    layers = [layer_blocks(qtype) for _ in range(COPIES)]
+    for layer in layers:  # random bytes: make the f16 scales finite (no NaN work)
+        for w in layer:
+            w.view(-1, GGML_QUANT_SIZES[qtype][1])[:, :4] = 0x10  # d (and m / dmin)
+            if qtype.name == "Q6_K":
+                w.view(-1, 210)[:, 208:] = 0x10
+    xs = {k: torch.randn(rows, k) for _, k in LAYER}
+    turn = [0]
+
+    def step() -> None:
+        turn[0] = (turn[0] + 1) % COPIES
+        for w, (_, k) in zip(layers[turn[0]], LAYER, strict=True):
+            kernels.ggml_linear(xs[k], [w], [int(qtype)])
+
+    seconds = median_seconds(step, repeat)
+    nbytes = sum(w.numel() for w in layers[0])
+    return seconds * 1e3, nbytes / seconds / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4", help="activation rows (decode batch sizes)")
+    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args(argv)
+    if ggml_kernels() is None:
+        print("the GGUF kernels are not available on this CPU (they need AVX2, FMA, F16C)")
+        return 1
+    print(machine_line())
+    print(f"threads: {torch.get_num_threads()}")
+    bandwidth = read_bandwidth(args.repeat)
+    print(f"read bandwidth (1 GiB sum): {bandwidth:.1f} GB/s\n")
+    print("| type | rows | ms / 1B layer | weights GB/s | of read bandwidth |")
+    print("|---|---:|---:|---:|---:|")
+    for name in args.types.split(","):
+        for rows in (int(r) for r in args.rows.split(",")):
+            ms, gbs = kernel_bandwidth(GGMLQuantizationType[name], rows, args.repeat)
+            print(f"| {name} | {rows} | {ms:.2f} | {gbs:.1f} | {gbs / bandwidth:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Random-weight stand-ins of larger Llama-shaped models, as GGUF files llama.cpp made.
+
+    .venv/bin/python -m bench.standin 1b --out /tmp/standins \\
+        --llama-cpp /tmp/llama/llama.cpp --quantize /tmp/llama-build/bin/llama-quantize \\
+        --types Q4_0,Q4_K_M,Q8_0
+
+No model larger than SmolLM2-135M can be downloaded here, and a forward pass's speed does
+not depend on the weights' values: this writes a Hugging Face directory of the named shape
+with random bf16 weights and the default model's tokenizer, converts it with llama.cpp's
+own ``convert_hf_to_gguf.py`` (to bf16) and quantizes that with ``llama-quantize``, so both
+servers load the same file. Every result measured on one is a **random-weight stand-in**
+and is labelled so; its text is gibberish (benches use ``ignore_eos``). The converter
+imports ``sentencepiece`` before it looks for the tokenizer it would read:
+``.venv/bin/pip install sentencepiece`` first (it is not a pagedserve dependency). 1B: a
+minute or two on 2 cores; 8B: writes 16 GB of bf16 shards and a 16 GB bf16 GGUF first
+(``--out`` on a disk with 40 GB free).
+
+The shapes (vocabulary: the tokenizer's 49152, not the original's):
+
+* ``360m``: SmolLM2-360M's; ``1b``: TinyLlama-1.1B's; ``3b``: Llama-3.2-3B's;
+  ``8b``: Llama-3-8B's (32 layers of 4096, 14336 MLP, 8 KV heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    "360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                 num_attention_heads=15, num_key_value_heads=5, tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_hf_dir(size: str, out: Path, seed: int = 0) -> Path:
+    """A LlamaForCausalLM directory of shape ``size``: random bf16 weights (normal, std
+    0.02; norms 1), the default model's tokenizer, one safetensors shard per layer."""
+    from transformers import LlamaConfig
+
+    from engine.loader import resolve_model_dir
+
+    tokenizer_dir = resolve_model_dir(None)
+    vocab = 49152
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
+                         **SHAPES[size])  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    g = torch.Generator().manual_seed(seed)
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = h // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    top = {"model.embed_tokens.weight": rand(vocab, h),
+           "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
+    if not config.tie_word_embeddings:
+        top["lm_head.weight"] = rand(vocab, h)
+    weight_map = _save(top, out / "model-top.safetensors")
+    for i in range(config.num_hidden_layers):  # one layer in memory at a time (8B: 16 GB)
+        p = f"model.layers.{i}."
+        layer = {
+            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }  # fmt: skip
+        weight_map.update(_save(layer, out / f"model-layer{i:03d}.safetensors"))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return out
+
+
+def _save(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, str]:
+    save_file(tensors, str(file))
+    return dict.fromkeys(tensors, file.name)
+
+
+def make_ggufs(
+    size: str, out: Path, llama_cpp: Path, quantize: Path, types: list[str]
+) -> list[Path]:
+    """``out/<size>-standin.<TYPE>.gguf`` for each type: HF dir -> bf16 GGUF -> quantized."""
+    hf = write_hf_dir(size, out / f"{size}-standin-hf")
+    bf16 = out / f"{size}-standin.BF16.gguf"
+    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
+                    "--outtype", "bf16", "--outfile", str(bf16)], check=True)  # fmt: skip
+    shutil.rmtree(hf)  # the bf16 GGUF holds the same weights
+    files = []
+    for qtype in types:
+        target = out / f"{size}-standin.{qtype}.gguf"
+        subprocess.run([str(quantize), str(bf16), str(target), qtype], check=True)
+        files.append(target)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("size", choices=sorted(SHAPES))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--llama-cpp",
+        type=Path,
+        required=True,
+        help="llama.cpp's source folder (has convert_hf_to_gguf.py)",
+    )
+    parser.add_argument("--quantize", type=Path, required=True, help="the llama-quantize binary")
+    parser.add_argument("--types", default="Q4_0,Q4_K_M,Q8_0")
+    parser.add_argument("--keep-bf16", action="store_true")
+    args = parser.parse_args(argv)
+    files = make_ggufs(args.size, args.out, args.llama_cpp, args.quantize, args.types.split(","))
+    if not args.keep_bf16:
+        (args.out / f"{args.size}-standin.BF16.gguf").unlink()
+    for f in files:
+        print(f"{f} ({f.stat().st_size / 1e9:.2f} GB): a random-weight stand-in")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
