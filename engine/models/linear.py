@@ -63,6 +63,17 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def weight_rows(target: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Rows ``(first, count)`` of a parameter (a fused projection's part), or all of it."""
+    return target if rows is None else target.narrow(0, rows[0], rows[1])
+
+
+def check_shape(tensor: torch.Tensor | GGUFTensor, dest: torch.Tensor) -> None:
+    """A checkpoint tensor must fill its destination exactly."""
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+
+
 def quantize_int8(
     weight: torch.Tensor, group: int = INT8_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,9 +198,8 @@ class Linear(nn.Module):
         """The weight loader: ``tensor`` holds this projection's rows ``rows`` (first,
         count; None: all). GGUF blocks are kept where `quantization` is gguf and the
         kernels multiply their format, else dequantized into the dense weight."""
-        dest = self.weight if rows is None else self.weight.narrow(0, rows[0], rows[1])
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        dest = weight_rows(self.weight, rows)
+        check_shape(tensor, dest)
         if isinstance(tensor, GGUFTensor):
             if self.quantization == GGUF and tensor.native:
                 self.blocks[0 if rows is None else rows[0]] = tensor

@@ -29,7 +29,14 @@ from engine.attention.cpu_paged import CpuPagedBackend
 from engine.distributed import TensorParallel
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import bf16_cpu_kernels, ggml_kernels
-from engine.models.linear import GGUF, Linear, kernel_for, project
+from engine.models.linear import (
+    GGUF,
+    Linear,
+    check_shape,
+    kernel_for,
+    project,
+    weight_rows,
+)
 
 __all__ = ["LlamaForCausalLM"]
 
@@ -407,21 +414,10 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding matrix is the head
             target, rows, shard, linear = self._route(name)
-            if linear is not None and self.tp is None:
-                try:
-                    linear.load(tensor, rows)
-                except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-            elif not self._keep_blocks(target, tensor):
-                if isinstance(tensor, GGUFTensor):
-                    tensor = tensor.dequantize(torch.float32)
-                tensor = self._tp_slice(name, tensor)
-                dest = target if rows is None else target.narrow(0, rows[0], rows[1])
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+            try:
+                self._load_tensor(name, tensor, target, rows, linear)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
             loaded.add(name)
             filled.add(shard)
         missing = sorted(f"{p}[{s}]" if s else p for p, s in self._expected_shards() - filled)
@@ -429,18 +425,35 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
         return loaded
 
+    def _load_tensor(
+        self, name: str, tensor: Any, target: torch.Tensor, rows: tuple[int, int] | None,
+        linear: Linear | None,
+    ) -> None:  # fmt: skip
+        """One checkpoint tensor into its place: a projection's weight through its own
+        loader (`Linear.load`), a GGUF embedding or head kept in its blocks, anything else
+        (this rank's part of it) copied into the parameter."""
+        if linear is not None and self.tp is None:
+            linear.load(tensor, rows)
+            return
+        if self._keep_blocks(target, tensor):
+            return
+        if isinstance(tensor, GGUFTensor):
+            tensor = tensor.dequantize(torch.float32)
+        dest = weight_rows(target, rows)
+        tensor = self._tp_slice(name, tensor)
+        check_shape(tensor, dest)
+        dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+
     def _keep_blocks(self, target: torch.Tensor, tensor: Any) -> bool:
         """Keep a GGUF embedding's or head's blocks as they are (quantization gguf)."""
         keep = isinstance(tensor, GGUFTensor) and self.quantization == GGUF and tensor.native
         if keep and target is self.embed_tokens:
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"embedding shape {tensor.shape} != {tuple(target.shape)}")
+            check_shape(tensor, target)
             self.embed_blocks = tensor
             if self.tie_word_embeddings:
                 self.head_blocks = tensor
         elif keep and target is self.lm_head:
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"LM head shape {tensor.shape} != {tuple(target.shape)}")
+            check_shape(tensor, target)
             self.head_blocks = tensor
         return keep
 

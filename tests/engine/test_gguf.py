@@ -107,7 +107,7 @@ def test_a_mixed_gguf_serves_from_its_blocks_as_its_dequantized_weights(mixed_gg
         assert f"{name} x" in summary, (name, summary)
     # The one format with no kernel is served dequantized, and the start-up line says so.
     assert "(dequantized Q2_K) x1" in summary and "embedding Q8_0" in summary
-    assert all(isinstance(p.blocks, torch.Tensor) for p in [native.engine.model.embed_blocks])
+    assert isinstance(native.engine.model.embed_blocks.blocks, torch.Tensor)
 
     exact = LLM(model=str(mixed_gguf), cache_dir=str(tmp_path), num_blocks=64, dtype="float32")
     assert "projections float32 x" in exact.engine.compute_summary

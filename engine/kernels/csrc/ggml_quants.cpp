@@ -56,15 +56,18 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K/Q5_K's twelve scale bytes -> 8 scales (bytes 0-7) and 8 mins (bytes 8-15), the
+// 6-bit values of ggml's get_scale_min_k4 for all sub-blocks at once.
+inline void unpack_scales_k4(const uint8_t* p, uint8_t* out) {
+  uint32_t u[4];
+  std::memcpy(u, p, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);  // mins 4-7
+  const uint32_t mins_low = u[1] & six;                       // mins 0-3
+  u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);          // scales 4-7
+  u[2] = mins_low;
+  u[0] &= six;                                                // scales 0-3
+  std::memcpy(out, u, 16);
 }
 
 // ---------------------------------------------------------------- exact dequantization
@@ -115,13 +118,12 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
     case Q4_K:
     case Q5_K: {
       const float d = fp16(b), dmin = fp16(b + 2);
-      const uint8_t* scales = b + 4;
+      uint8_t sm[16];
+      unpack_scales_k4(b + 4, sm);
       const uint8_t* qh = b + 16;                       // Q5_K only
       const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
       for (int i = 0; i < 8; ++i) {  // sub-blocks of 32: low then high nibbles of 32 bytes
-        uint8_t sc, m;
-        scale_min_k4(i, scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        const float d1 = d * (float)sm[i], m1 = dmin * (float)sm[8 + i];
         const uint8_t* q = qs + 32 * (i / 2);
         for (int l = 0; l < 32; ++l) {
           int v = (i % 2) ? (q[l] >> 4) : (q[l] & 0xF);
@@ -270,6 +272,7 @@ inline __m128 f16_scaled(const uint8_t* w, __m128 factors) {  // [d, d] * factor
 struct BlockQ4_0 {  // (q - 8) * d
   using X = XBlock;
   static constexpr int64_t values = 32;
+  static constexpr int64_t bytes = 18;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
     const __m128 dm = f16_scaled(w, _mm_setr_ps(1.f, -8.f, 0.f, 0.f));
@@ -281,6 +284,7 @@ struct BlockQ4_0 {  // (q - 8) * d
 struct BlockQ4_1 {  // q * d + m
   using X = XBlock;
   static constexpr int64_t values = 32;
+  static constexpr int64_t bytes = 20;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
     const __m128 dm = f16_pair(w);
@@ -305,6 +309,7 @@ template <bool Q51>
 struct BlockQ5 {  // Q5_0: (q - 16) * d; Q5_1: q * d + m
   using X = XBlock;
   static constexpr int64_t values = 32;
+  static constexpr int64_t bytes = Q51 ? 24 : 22;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
     const __m128 dm = Q51 ? f16_pair(w) : f16_scaled(w, _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
@@ -316,6 +321,7 @@ struct BlockQ5 {  // Q5_0: (q - 16) * d; Q5_1: q * d + m
 struct BlockQ8_0 {
   using X = XBlock;
   static constexpr int64_t values = 32;
+  static constexpr int64_t bytes = 34;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w);
@@ -325,19 +331,6 @@ struct BlockQ8_0 {
       add(acc[m], dot_us(aq, _mm256_sign_epi8(load32(xs[m]->q), q)), d * xs[m]->d);
   }
 };
-
-// Q4_K/Q5_K's twelve scale bytes -> 8 scales (bytes 0-7) and 8 mins (bytes 8-15).
-inline void unpack_scales_k4(const uint8_t* p, uint8_t* out) {
-  uint32_t u[4];
-  std::memcpy(u, p, 12);
-  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);  // mins 4-7
-  const uint32_t mins_low = u[1] & six;                       // mins 0-3
-  u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);          // scales 4-7
-  u[2] = mins_low;
-  u[0] &= six;                                                // scales 0-3
-  std::memcpy(out, u, 16);
-}
 
 // _mm256_shuffle_epi8 masks: int16 lane `i` of each 128-bit half broadcast to that half
 // (kBroadcast16[i]), and Q6_K's pair: int16 `2i` to the low half, `2i + 1` to the high.
@@ -362,6 +355,7 @@ template <bool Q5>
 struct BlockQxK {  // Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
   using X = XBlockK;
   static constexpr int64_t values = 256;
+  static constexpr int64_t bytes = Q5 ? 176 : 144;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w), dmin = fp16(w + 2);
@@ -404,6 +398,7 @@ struct BlockQxK {  // Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
 struct BlockQ6_K {  // 16 sub-blocks of 16 with int8 scales; q in 0..63, minus 32
   using X = XBlockK;
   static constexpr int64_t values = 256;
+  static constexpr int64_t bytes = 210;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w + 208);
@@ -444,18 +439,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <typename B>
-constexpr int64_t block_bytes() {
-  if (std::is_same<B, BlockQ4_0>::value) return 18;
-  if (std::is_same<B, BlockQ4_1>::value) return 20;
-  if (std::is_same<B, BlockQ5<false>>::value) return 22;
-  if (std::is_same<B, BlockQ5<true>>::value) return 24;
-  if (std::is_same<B, BlockQ8_0>::value) return 34;
-  if (std::is_same<B, BlockQxK<false>>::value) return 144;
-  if (std::is_same<B, BlockQxK<true>>::value) return 176;
-  return 210;
-}
-
 // MT activation rows (starting at x, xstride blocks apart) against weight rows [n0, n1).
 // Several accumulator sets (vector and offset), rotating by block, so consecutive blocks'
 // adds do not wait on each other: one set would chain every block on the latency of an
@@ -463,7 +446,6 @@ constexpr int64_t block_bytes() {
 template <typename B, int MT, typename Out>
 void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
               const typename B::X* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  constexpr int64_t bytes = block_bytes<B>();
   constexpr int SETS = MT <= 2 ? 4 : 2;  // within AVX2's 16 vector registers
   const int64_t blocks = K / B::values;
   for (int64_t n = n0; n < n1; ++n) {
@@ -477,9 +459,9 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
         off[s][m] = _mm_setzero_ps();
       }
     for (int64_t b = 0; b < blocks; ++b) {
-      _mm_prefetch((const char*)(row + (b + 8) * bytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(row + (b + 8) * B::bytes), _MM_HINT_T0);
       for (int m = 0; m < MT; ++m) xs[m] = x + m * xstride + b;
-      B::template dot<MT>(row + b * bytes, xs, acc[b % SETS], off[b % SETS]);
+      B::template dot<MT>(row + b * B::bytes, xs, acc[b % SETS], off[b % SETS]);
     }
     for (int m = 0; m < MT; ++m) {
       __m256 total = acc[0][m];
