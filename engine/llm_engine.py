@@ -135,7 +135,8 @@ class LLMEngine:
         """How the model computes here: attention backend, CPU kernels, quantization."""
         parts = [f"attention {self.model.attn_backend.name}"]
         if self.model.fused_ops is not None:
-            parts.append("CPU kernels (skinny GEMM, fused ops)")
+            stack = ", decode stack" if self.model.decode_stack is not None else ""
+            parts.append(f"CPU kernels (skinny GEMM, fused ops{stack})")
         if self.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         parts.append(f"weights: {self.model.weight_formats()}")

@@ -18,9 +18,11 @@ lock.
 * ``apply_token_bitmask_(logits, bitmask, rows)``: a grammar's allowed tokens on float32
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 
-`ggml_kernels()` is a second module, built for AVX2 (any x86-64-v3 CPU), that serves
-GGUF weights from their own blocks: ``ggml_dequantize`` and ``ggml_linear``
-(`csrc/ggml_quants.cpp`).
+* ``ggml_dequantize``, ``ggml_linear``: GGUF weights served from their own blocks
+  (`csrc/ggml_quants.cpp`), also a `DecodeStack` projection
+
+`ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU with AVX2 but
+not AVX512-BF16 a build of `csrc/ggml_quants.cpp` alone.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ SOURCES = (
     "fused_ops.cpp",
     "decode_stack.cpp",
     "token_bitmask.cpp",
+    "ggml_quants.cpp",
 )
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
-CPU_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-_ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+CPU_KERNEL_FLAGS = frozenset(
+    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}
+)
+_ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
 
 
 @lru_cache(maxsize=1)
@@ -69,7 +74,8 @@ def cpu_kernels_supported() -> bool:
 
 
 GGML_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})
-# -ffp-contract=off: dequantization must round exactly as ggml does (no fused multiply-add).
+# -ffp-contract=off: dequantization must round exactly as ggml does (no fused multiply-add
+# the source does not write); the other kernels write their FMAs out as intrinsics.
 _GGML_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 
 
@@ -92,11 +98,14 @@ def _build(name: str, sources: list[str], cflags: list[str]) -> ModuleType | Non
 
 @lru_cache(maxsize=1)
 def ggml_kernels() -> ModuleType | None:
-    """The GGUF block kernels, or None where the CPU lacks AVX2/FMA/F16C or they do not
-    build (then a GGUF's weights are dequantized at load)."""
+    """The GGUF block kernels: the AVX-512 module's where it builds (its decode stack
+    calls them), else an AVX2 build of them alone; None where the CPU lacks AVX2/FMA/F16C
+    or they do not build (then a GGUF's weights are dequantized at load)."""
+    if (kernels := cpu_kernels()) is not None:
+        return kernels
     if not cpu_flags() >= GGML_KERNEL_FLAGS:
         return None
-    return _build("pagedserve_ggml_kernels", ["ggml_quants.cpp"], _GGML_CFLAGS)
+    return _build("pagedserve_ggml_kernels", ["ggml_quants.cpp", "ggml_bindings.cpp"], _GGML_CFLAGS)
 
 
 @lru_cache(maxsize=1)
@@ -104,7 +113,7 @@ def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None (then torch's ops serve, and a warning says why)."""
     if not cpu_kernels_supported():
         return None
-    return _build("pagedserve_cpu_kernels", list(SOURCES), ["-O3", "-fopenmp", *_ISA_CFLAGS])
+    return _build("pagedserve_cpu_kernels", list(SOURCES), [*_GGML_CFLAGS, *_ISA_CFLAGS])
 
 
 def host_kernels(device: torch.device | str) -> ModuleType | None:

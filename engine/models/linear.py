@@ -55,6 +55,8 @@ INT8_GROUP = 64
 # INT4_KERNEL_MAX_ROWS; beyond that (prefill) torch multiplies a dequantized copy.
 INT4_GROUP = 32
 INT4_KERNEL_MAX_ROWS = 64
+# GGUF blocks have no other path: `ggml_linear` takes every call, prefill included.
+GGML_KERNEL_MAX_ROWS = 1 << 30
 QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs from float weights
 GGUF = "gguf"  # keep a GGUF's own blocks
 
@@ -251,7 +253,10 @@ class Linear(nn.Module):
 
     @property
     def kernel_max_rows(self) -> int:
-        """The most rows `forward` sends through the kernel (0: it has none)."""
+        """The most rows `forward` sends through the kernel (0: it has none; GGUF blocks
+        go through theirs at any size)."""
+        if self.ggml is not None:
+            return GGML_KERNEL_MAX_ROWS
         return 0 if self.kernel is None else kernel_max_rows(self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_formats(self) -> str:
         """What each weight group runs as, for the start-up line: e.g. ``projections
-        Q4_K x154 + Q6_K x23, embedding Q6_K, head = embedding``."""
+        Q4_K x134 + Q6_K x20, embedding Q4_K, head Q6_K`` (a 1B Q4_K_M file)."""
         counts: dict[str, int] = {}
         for layer in self.layers:
             for linear in layer.linears():
@@ -389,7 +389,8 @@ class LlamaForCausalLM(nn.Module):
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
         head = self.head_blocks
         if head is not None:
-            return ggml_kernels().ggml_linear(hidden, [head.blocks], [int(head.type)]).float()
+            # float32 in, so float32 out: the logits are not rounded to the model dtype
+            return ggml_kernels().ggml_linear(hidden.float(), [head.blocks], [int(head.type)])
         if self.tp is None:
             return project(hidden, self.lm_head, kernel=self.head_kernel).float()
         rows = self.head_rows
@@ -470,8 +471,8 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = None
         if self.head_blocks is not None:
             self.lm_head = None
-            return
-        self.head_kernel = kernel_for(self.lm_head)
+        else:
+            self.head_kernel = kernel_for(self.lm_head)
         self.decode_stack = self._build_decode_stack()
 
     def _build_decode_stack(self) -> tuple[Any, int] | None:
@@ -485,7 +486,9 @@ class LlamaForCausalLM(nn.Module):
             return None
 
         def projection(linear: Linear) -> Any:
-            return ops.Projection(linear.weight, linear.scales, linear.mins, linear.bias)
+            blocks, types = linear.ggml or ([], [])
+            return ops.Projection(linear.weight, linear.scales, linear.mins, linear.bias,
+                                  blocks, types)  # fmt: skip
 
         layers = [
             ops.DecoderLayer(

@@ -180,8 +180,12 @@ def test_auto_quantization_serves_a_gguf_in_its_own_blocks(monkeypatch):
     assert auto.resolve_quantization(cpu, bf16, True) == native
     assert auto.resolve_quantization(cpu, f32, True) == native  # dtype auto resolved to f32
     assert auto.resolve_quantization(cpu, bf16, False) == Quantization()  # Hugging Face dir
-    # Blocks hold the weights, so "auto"'s dtype is the activations': float32 ones.
+    # Blocks hold the weights, so "auto"'s dtype is the activations': bf16 ones where the
+    # AVX-512 kernels run the whole decode step natively, float32 ones elsewhere.
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
     assert auto.resolve_dtype(cpu, True) == f32
+    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
+    assert auto.resolve_dtype(cpu, True) == bf16
     assert EngineConfig(dtype="bfloat16").resolve_dtype(cpu, True) == bf16
     reference = EngineConfig(dtype="float32")  # asked for: every weight dequantized exactly
     assert reference.resolve_quantization(cpu, f32, True) == Quantization()

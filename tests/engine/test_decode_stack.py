@@ -9,6 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu_kernels_supported
+from tests.engine.gguf_models import write_mixed_gguf
 from tests.engine.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
@@ -41,6 +42,21 @@ def _decode_step(prompt_len: int, batch: int) -> tuple[torch.Tensor, AttentionMe
 def test_decode_stack_equals_the_python_layers_bit_for_bit(tmp_path, quantization, arch, batch):
     path = make_tiny_model_dir(tmp_path, arch)
     llm = LLM(model=str(path), dtype="bfloat16", quantization=quantization, num_blocks=32)
+    _assert_stack_equals_python_layers(llm, batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, batch):
+    # Every GGUF kernel type in one model, and a Q2_K projection served dequantized (bf16
+    # through the skinny GEMM) among them: `auto` takes bf16 activations and the stack.
+    llm = LLM(model=str(write_mixed_gguf(tmp_path / "mixed.gguf")), cache_dir=str(tmp_path),
+              num_blocks=32)  # fmt: skip
+    assert llm.engine.model.dtype == torch.bfloat16
+    assert "decode stack" in llm.engine.compute_summary and "Q4_K x" in llm.engine.compute_summary
+    _assert_stack_equals_python_layers(llm, batch)
+
+
+def _assert_stack_equals_python_layers(llm: LLM, batch: int) -> None:
     model = llm.engine.model
     assert model.decode_stack is not None
     kv = llm.engine.runner.kv_caches

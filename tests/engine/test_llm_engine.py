@@ -198,7 +198,12 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     bf16 = engine.model
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
     assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
-    assert engine.compute_summary == "attention cpu-paged, CPU kernels (skinny GEMM, fused ops)"
+    assert engine.compute_summary == (
+        "attention cpu-paged, CPU kernels (skinny GEMM, fused ops, decode stack), "
+        "weights: projections bfloat16 x8, embedding bfloat16, head bfloat16"
+    )
     fp32_engine = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine
     assert isinstance(fp32_engine.model.attn_backend, SdpaBackend)
-    assert fp32_engine.compute_summary == "attention sdpa"
+    assert fp32_engine.compute_summary == (
+        "attention sdpa, weights: projections float32 x8, embedding float32, head float32"
+    )

@@ -16,12 +16,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[row, t] = -inf where bit t of bitmask[row] is 0, for the given rows", nogil);
 
+  m.def("ggml_dequantize", &ggml_dequantize, "float32 weights of ggml blocks (exact)",
+        py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(), nogil);
+  m.def("ggml_linear", &ggml_linear, "x @ W^T on ggml blocks, int8 activations", py::arg("x"),
+        py::arg("weights"), py::arg("types"), nogil);
+
   // module_local: a second build of this module (another environment, a benchmark's
   // A/B copy) can be loaded next to this one.
   py::class_<Projection>(m, "Projection", py::module_local())
-      .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>>(),
-           py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"));
+      .def(py::init<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    std::vector<torch::Tensor>, std::vector<int64_t>>(),
+           py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
+           py::arg("ggml_blocks") = std::vector<torch::Tensor>(),
+           py::arg("ggml_types") = std::vector<int64_t>());
   py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection,
                     Projection>(),

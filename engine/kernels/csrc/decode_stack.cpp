@@ -4,16 +4,25 @@
 // argument checks, 9 calls a layer) cost about a millisecond of a 5-6 ms step.
 #include "decode_stack.h"
 
-Projection::Projection(torch::Tensor weight, c10::optional<torch::Tensor> scales,
-                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias)
+Projection::Projection(c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> scales,
+                       c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
+                       std::vector<torch::Tensor> ggml_blocks, std::vector<int64_t> ggml_types)
     : weight(std::move(weight)), scales(std::move(scales)), mins(std::move(mins)),
-      bias(std::move(bias)) {
+      bias(std::move(bias)), ggml_blocks(std::move(ggml_blocks)),
+      ggml_types(std::move(ggml_types)) {
   TORCH_CHECK(!this->mins || this->scales, "int4 weights need scales and mins");
+  TORCH_CHECK(this->ggml_blocks.size() == this->ggml_types.size(), "one ggml type per part");
+  TORCH_CHECK(this->weight.has_value() != !this->ggml_blocks.empty(),
+              "a projection has a dense weight or ggml blocks");
 }
 
 torch::Tensor Projection::operator()(const torch::Tensor& x) const {
-  if (mins) return int4_linear(x, weight, *scales, *mins, bias);
-  return skinny_linear(x, weight, scales, bias);
+  if (!ggml_blocks.empty()) {
+    torch::Tensor y = ggml_linear(x, ggml_blocks, ggml_types);
+    return bias ? y.add_(*bias) : y;
+  }
+  if (mins) return int4_linear(x, *weight, *scales, *mins, bias);
+  return skinny_linear(x, *weight, scales, bias);
 }
 
 DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm,

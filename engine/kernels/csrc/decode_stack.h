@@ -1,18 +1,22 @@
 // See decode_stack.cpp.
 #pragma once
 
+#include "ggml_quants.h"
 #include "kernels.h"
 
 #include <utility>
 #include <vector>
 
-// One projection as `engine.models.linear.Linear` packs it: bf16, int8 (+ scales) or
-// int4 (+ scales and mins), with an optional bias.
+// One projection as `engine.models.linear.Linear` packs it: bf16, int8 (+ scales), int4
+// (+ scales and mins), or a GGUF's blocks (one tensor and ggml type per fused part, no
+// dense weight), with an optional bias.
 struct Projection {
-  torch::Tensor weight;
-  c10::optional<torch::Tensor> scales, mins, bias;
-  Projection(torch::Tensor weight, c10::optional<torch::Tensor> scales,
-             c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias);
+  c10::optional<torch::Tensor> weight, scales, mins, bias;
+  std::vector<torch::Tensor> ggml_blocks;
+  std::vector<int64_t> ggml_types;
+  Projection(c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> scales,
+             c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
+             std::vector<torch::Tensor> ggml_blocks, std::vector<int64_t> ggml_types);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 

@@ -15,7 +15,8 @@
 //   over memory, and integer dots keep the arithmetic under the memory time.
 //
 // AVX2 + FMA + F16C only (every x86-64-v3 CPU), so one build serves the Xeon and the EPYC.
-#include <torch/extension.h>
+#include "ggml_quants.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -601,12 +602,4 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("ggml_dequantize", &ggml_dequantize, "float32 weights of ggml blocks (exact)",
-        py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(), nogil);
-  m.def("ggml_linear", &ggml_linear, "x @ W^T on ggml blocks, int8 activations", py::arg("x"),
-        py::arg("weights"), py::arg("types"), nogil);
 }

@@ -1,0 +1,14 @@
+// The GGUF block kernels' entry points (ggml_quants.cpp), shared by the AVX2-only module
+// (ggml_bindings.cpp) and the AVX-512 one (bindings.cpp, whose decode stack calls them).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// The float32 [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`), exact.
+torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
+                              c10::optional<torch::Tensor> ids);
+// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T on int8-quantized x; y in x's dtype.
+torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                          std::vector<int64_t> types);
