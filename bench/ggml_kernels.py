@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.ggml_kernels                 # a 1B layer's shapes, every type
     .venv/bin/python -m bench.ggml_kernels --rows 1,4,16
+    .venv/bin/python -m bench.ggml_kernels --prefill --rows 16,32,64,512 --types Q4_0,Q4_K
 
 A decode step reads every weight byte once, so a decode kernel is as fast as it can be when
 it streams the weights at the machine's read bandwidth. This measures that bandwidth (a
@@ -77,17 +78,53 @@ def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tup
     return seconds * 1e3, nbytes / seconds / 1e9
 
 
+def prefill_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
+    """(int8 dots, dequantize to bf16 + torch's bf16 GEMM) ms for one 1B layer's
+    projections on `rows` bf16 activation rows: the two paths `Linear` chooses between."""
+    kernels = ggml_kernels()
+    layer = layer_blocks(qtype)
+    for w in layer:  # finite f16 scales, as above
+        w.view(-1, GGML_QUANT_SIZES[qtype][1])[:, :4] = 0x10
+        if qtype.name == "Q6_K":
+            w.view(-1, 210)[:, 208:] = 0x10
+    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LAYER}
+
+    def dots() -> None:
+        for w, (_, k) in zip(layer, LAYER, strict=True):
+            kernels.ggml_linear(xs[k], [w], [int(qtype)])
+
+    def gemm() -> None:
+        for w, (n, k) in zip(layer, LAYER, strict=True):
+            weight = torch.empty(n, k, dtype=torch.bfloat16)
+            kernels.ggml_dequantize(w, int(qtype), k, None, weight)
+            torch.nn.functional.linear(xs[k], weight)
+
+    return median_seconds(dots, repeat) * 1e3, median_seconds(gemm, repeat) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4", help="activation rows (decode batch sizes)")
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument(
+        "--prefill", action="store_true",
+        help="instead: int8 dots vs dequantize-to-bf16 + GEMM per call, bf16 activations",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if ggml_kernels() is None:
         print("the GGUF kernels are not available on this CPU (they need AVX2, FMA, F16C)")
         return 1
     print(machine_line())
     print(f"threads: {torch.get_num_threads()}")
+    if args.prefill:
+        print("| type | rows | int8 dots ms / 1B layer | dequantize + bf16 GEMM ms | ratio |")
+        print("|---|---:|---:|---:|---:|")
+        for name in args.types.split(","):
+            for rows in (int(r) for r in args.rows.split(",")):
+                dots, gemm = prefill_ms(GGMLQuantizationType[name], rows, args.repeat)
+                print(f"| {name} | {rows} | {dots:.1f} | {gemm:.1f} | {dots / gemm:.2f}x |")
+        return 0
     bandwidth = read_bandwidth(args.repeat)
     print(f"read bandwidth (1 GiB sum): {bandwidth:.1f} GB/s\n")
     print("| type | rows | ms / 1B layer | weights GB/s | of read bandwidth |")

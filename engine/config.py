@@ -104,9 +104,10 @@ class EngineConfig:
         a GGUF served from its own blocks (``gguf``: the model is one) the blocks hold the
         weights, so the dtype is only the activations': bf16 where the AVX-512 kernels run
         a decode step natively (a batch-1 step 1.9x faster than float32's Python loop at
-        135M, 1.3x at 1B), float32 on other CPUs. Both quantize activations to int8 for each multiply;
-        perplexity +1.0-1.2% (bf16) or +0.4-1.0% (float32) against the same weights in
-        bf16 (tests/engine/test_quality_gate.py)."""
+        135M, 1.3x at 1B), float32 on other CPUs. Decode-sized multiplies quantize the
+        activations to int8, as llama.cpp does: perplexity through the decode path +1.2%
+        (bf16) or +0.9-1.0% (float32) against the same weights in bf16
+        (tests/engine/test_quality_gate.py)."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if device.type == "cuda":

@@ -21,9 +21,11 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   from a Q4_1 GGUF (the default model) quantizes back to its own blocks: lossless.
 * ``quantization="gguf"`` (CPU, float32 or bf16): a GGUF's weights stay in their ggml
   blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
-  `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do), and
-  every call goes through `ggml_linear` on int8-quantized activations, as llama.cpp
-  computes. A projection with any part in another format is dequantized whole instead.
+  `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
+  Calls of up to `GGML_DOT_MAX_ROWS` rows (decode) go through `ggml_linear` on
+  int8-quantized activations, as llama.cpp computes; larger bf16 calls (prefill)
+  dequantize the blocks to bf16 for the call and take torch's GEMM. A projection with any
+  part in another format is dequantized whole instead.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
 int4 layers load their weights in float32, so they are rounded once, by the quantizer
@@ -55,8 +57,12 @@ INT8_GROUP = 64
 # INT4_KERNEL_MAX_ROWS; beyond that (prefill) torch multiplies a dequantized copy.
 INT4_GROUP = 32
 INT4_KERNEL_MAX_ROWS = 64
-# GGUF blocks have no other path: `ggml_linear` takes every call, prefill included.
-GGML_KERNEL_MAX_ROWS = 1 << 30
+# GGUF blocks with bf16 activations: calls of more rows than this (prefill, large batches)
+# dequantize the weight to bf16 for the call and take torch's bf16 GEMM, where the int8
+# dot products are bound by arithmetic: a 1B layer's gate/up at 512 rows, 25 ms of GEMM
+# (+15 ms of dequantization) against 74 ms (Q4_K) or 157 ms (Q4_0) of int8 dots; at 32
+# rows and below the int8 dots win (`python -m bench.ggml_kernels --prefill`).
+GGML_DOT_MAX_ROWS = 32
 QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs from float weights
 GGUF = "gguf"  # keep a GGUF's own blocks
 
@@ -184,6 +190,7 @@ class Linear(nn.Module):
         if quantization is not None and quantization not in (*QUANTIZATIONS, GGUF):
             raise ValueError(f"unknown quantization {quantization!r}")
         self.quantization = quantization
+        self.in_features, self.out_features = in_features, out_features
         load_dtype = torch.float32 if quantization == "int4" else dtype  # see the docstring
         self.weight = _param(out_features, in_features, dtype=load_dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
@@ -256,13 +263,27 @@ class Linear(nn.Module):
         """The most rows `forward` sends through the kernel (0: it has none; GGUF blocks
         go through theirs at any size)."""
         if self.ggml is not None:
-            return GGML_KERNEL_MAX_ROWS
+            return GGML_DOT_MAX_ROWS
         return 0 if self.kernel is None else kernel_max_rows(self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ggml is not None:
+            if x.dtype == torch.bfloat16 and x.shape[0] > GGML_DOT_MAX_ROWS:
+                return F.linear(x, self.dense_weight(x.dtype), self.bias)
             y = ggml_kernels().ggml_linear(x, *self.ggml)
             return y if self.bias is None else y + self.bias
         if self.mins is not None:
             return project_int4(x, self.weight, self.scales, self.mins, self.bias, self.kernel)
         return project(x, self.weight, self.bias, self.scales, self.kernel)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[out, in]`` weight of its GGUF blocks in ``dtype`` (float32 or bf16),
+        made for one call: exact, then rounded once."""
+        kernels = ggml_kernels()
+        weight = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        row = 0
+        for blocks, qtype in zip(*self.ggml, strict=True):
+            rows = weight.narrow(0, row, blocks.shape[0])
+            kernels.ggml_dequantize(blocks, qtype, self.in_features, None, rows)
+            row += blocks.shape[0]
+        return weight

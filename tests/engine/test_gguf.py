@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.gguf_weights import NATIVE_TYPES, GGUFFile, GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.loader import default_gguf_path
+from engine.models.linear import GGML_DOT_MAX_ROWS, GGUF, Linear
 from engine.perplexity import text_logits
 from tests.engine.gguf_models import MIXED_LAYERS, random_blocks, write_mixed_gguf
 from tests.engine.test_engine_golden import assert_all_blocks_free
@@ -35,6 +36,10 @@ def test_every_type_dequantizes_as_ggml_bit_for_bit(qtype):
     rows = torch.tensor([5, 0, 23, 5])  # the embedding's path: rows by token id
     picked = ggml_kernels().ggml_dequantize(torch.from_numpy(blocks), int(qtype), 512, rows)
     assert torch.equal(picked, got[rows])
+    # Into a bf16 tensor (the prefill path's weight): the exact values, rounded once.
+    out = torch.empty(24, 512, dtype=torch.bfloat16)
+    ggml_kernels().ggml_dequantize(torch.from_numpy(blocks), int(qtype), 512, None, out)
+    assert torch.equal(out, got.to(torch.bfloat16))
 
 
 def test_the_default_models_real_blocks_dequantize_bit_for_bit():
@@ -68,6 +73,28 @@ def test_linear_matches_the_dequantized_weights(qtype, dtype):
         y = ggml_kernels().ggml_linear(x, [torch.from_numpy(blocks)], [int(qtype)])
         assert y.dtype == dtype and y.shape == (rows, 40)
         assert _relative_error(y, x.float() @ dense.T) < 0.015, (qtype.name, rows)
+
+
+def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
+    # More rows than GGML_DOT_MAX_ROWS with bf16 activations: the blocks dequantized to bf16
+    # for the call and torch's GEMM, which is exactly the bf16-dequantized model's product.
+    rng = np.random.default_rng(5)
+    parts = [(T.Q4_K, 16), (T.Q4_0, 8)]
+    linear = Linear(512, 24, bias=False, dtype=torch.bfloat16, device="cpu", quantization=GGUF)
+    row, dense = 0, []
+    for qtype, rows in parts:
+        blocks = random_blocks(qtype, rows, 512, rng)
+        linear.load(GGUFTensor(torch.from_numpy(blocks), qtype, (rows, 512)), (row, rows))
+        dense.append(torch.from_numpy(quants.dequantize(blocks, qtype)))
+        row += rows
+    linear.pack()
+    dense = torch.cat(dense)
+    x = torch.randn(GGML_DOT_MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, dense.to(torch.bfloat16)))
+    small = x[:GGML_DOT_MAX_ROWS]  # the int8 dot products: close, not equal
+    assert not torch.equal(linear(small), torch.nn.functional.linear(small, dense.bfloat16()))
+    assert _relative_error(linear(small), small.float() @ dense.T) < 0.015
 
 
 def test_a_fused_projection_multiplies_parts_of_different_types():

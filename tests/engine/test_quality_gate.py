@@ -14,14 +14,15 @@ and greedy chat output that follows float32's for a stated share of its tokens (
   model's projections are a Q4_1 GGUF's, which int4 holds bit for bit (tested below), so
   int4 changes only the rounding.
 * the GGUF's own blocks (the default start, `auto`: Q4_1 projections, Q8_0 embedding and
-  head, through the GGUF kernels on int8-quantized activations, as llama.cpp computes):
-  against the same weights dequantized to bf16 (10.6304 as a prefill, 10.6146 through
-  the decode path). On AVX512-BF16 CPUs the activations between the kernels are bf16
-  (the whole decode step runs in the native decode stack): +1.00% and +1.17%, 35.2% of
-  float32's greedy tokens before the first divergence; over the 1% gate, reported as a
-  gap. Elsewhere they are float32 (the Python loop): +0.39% and +0.87% to +1.03%, 31.0%.
-  What costs it is quantizing activations to int8 at all (llama.cpp's arithmetic), and
-  more so from bf16 values, which are rounded twice.
+  head), against the same weights dequantized to bf16 (10.6304 as a prefill, 10.6146
+  through the decode path). On AVX512-BF16 CPUs the activations are bf16: decode-sized
+  calls run the GGUF kernels on int8-quantized activations, as llama.cpp computes (the
+  whole decode step in the native decode stack), prefill-sized ones the blocks
+  dequantized to bf16: -0.06% as a prefill, +1.17% through the decode path, over the 1%
+  gate (reported as a gap), 41.1% of float32's greedy tokens before the first
+  divergence. Elsewhere activations are float32 and every call takes the int8 path:
+  +0.39% and +0.87% to +1.03%, 31.0%. What costs it is quantizing activations to int8
+  (llama.cpp's arithmetic), more so from bf16 values, which are rounded twice.
 
 Both move with rounding alone: bf16 implementations that differ only in summation
 order (torch's ops; + the skinny GEMM; + the paged decode kernel; + the fused ops)
@@ -95,11 +96,11 @@ def test_gguf_blocks_perplexity_within_1_percent_of_the_same_weights_in_bf16(
     # int8 activations (bf16 between them on AVX512-BF16 CPUs, else float32).
     ppl, tokens, decode_ppl = measure("auto", decode_path=True, **SMALL_KV)
     bf16_ppl, _, bf16_decode_ppl = bf16_dequantized
-    # The gate's 1% is NOT met: +1.00% as a prefill and +1.17% through the decode path
-    # with bf16 activations (+0.39% and +0.87% to +1.03% with float32 ones, which move
-    # with summation order alone: int8 roundings flip with an activation's last bit).
-    # Asserted at the measured level, reported as a gap (see the module docstring).
-    assert abs(ppl / bf16_ppl - 1) < 0.015, (ppl, bf16_ppl)
+    assert abs(ppl / bf16_ppl - 1) < 0.01, (ppl, bf16_ppl)
+    # Through the decode path the gate's 1% is NOT met: +1.17% with bf16 activations
+    # (+0.87% to +1.03% with float32 ones, which move with summation order alone: int8
+    # roundings flip with an activation's last bit). Asserted at the measured level,
+    # reported as a gap (see the module docstring).
     assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.015, (decode_ppl, bf16_decode_ppl)
     assert agreement_before_divergence(reference[1], tokens) >= 0.25
 

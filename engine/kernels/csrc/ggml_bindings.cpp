@@ -3,8 +3,9 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("ggml_dequantize", &ggml_dequantize, "float32 weights of ggml blocks (exact)",
-        py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(), nogil);
+  m.def("ggml_dequantize", &ggml_dequantize, "float32 (or bf16) weights of ggml blocks",
+        py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(),
+        py::arg("out") = py::none(), nogil);
   m.def("ggml_linear", &ggml_linear, "x @ W^T on ggml blocks, int8 activations", py::arg("x"),
         py::arg("weights"), py::arg("types"), nogil);
 }

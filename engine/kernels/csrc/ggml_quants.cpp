@@ -544,9 +544,10 @@ Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256) {
 
 }  // namespace
 
-// The float32 [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`).
+// The [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`), in float32,
+// or into `out` (float32 or bf16, rounded to nearest even from the exact float32 values).
 torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
-                              c10::optional<torch::Tensor> ids) {
+                              c10::optional<torch::Tensor> ids, c10::optional<torch::Tensor> out) {
   check_blocks(w, type, cols);
   torch::Tensor rows = ids.has_value() ? ids->to(torch::kLong).contiguous()
                                        : torch::arange(w.size(0), torch::kLong);
@@ -554,12 +555,24 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(r[i] >= 0 && r[i] < w.size(0), "row ", r[i], " out of range");
-  torch::Tensor y = torch::empty({n, cols}, torch::kFloat);
+  torch::Tensor y = out.has_value() ? *out : torch::empty({n, cols}, torch::kFloat);
+  const bool bf16 = y.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == n && y.size(1) == cols && y.is_contiguous() &&
+                  (bf16 || y.scalar_type() == torch::kFloat),
+              "out must be a contiguous [", n, ", ", cols, "] float32 or bfloat16 tensor");
   const uint8_t* base = w.data_ptr<uint8_t>();
   const int64_t stride = w.stride(0);
-  float* out = y.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) dequantize_row(type, base + r[i] * stride, cols, out + i * cols);
+    std::vector<float> row(bf16 ? cols : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (!bf16) {
+        dequantize_row(type, base + r[i] * stride, cols, y.data_ptr<float>() + i * cols);
+        continue;
+      }
+      dequantize_row(type, base + r[i] * stride, cols, row.data());
+      at::BFloat16* dst = y.data_ptr<at::BFloat16>() + i * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = at::BFloat16(row[c]);
+    }
   });
   return y;
 }

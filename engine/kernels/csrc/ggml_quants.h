@@ -6,9 +6,10 @@
 
 #include <vector>
 
-// The float32 [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`), exact.
+// The [rows, cols] weights of ggml blocks (rows of `w`, or only rows `ids`), exact, in
+// float32 or into `out` (float32, or bf16 rounded from them).
 torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
-                              c10::optional<torch::Tensor> ids);
+                              c10::optional<torch::Tensor> ids, c10::optional<torch::Tensor> out);
 // y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T on int8-quantized x; y in x's dtype.
 torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
                           std::vector<int64_t> types);
