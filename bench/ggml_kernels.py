@@ -68,10 +68,14 @@ def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tup
     xs = {k: torch.randn(rows, k) for _, k in LAYER}
     turn = [0]
 
+    # As `Linear.pack` lays them out (Q4_0: regrouped by 8 rows).
+    packed = [[kernels.ggml_repack(w, int(qtype), k) for w, (_, k) in zip(layer, LAYER, strict=True)]
+              for layer in layers]  # fmt: skip
+
     def step() -> None:
         turn[0] = (turn[0] + 1) % COPIES
-        for w, (_, k) in zip(layers[turn[0]], LAYER, strict=True):
-            kernels.ggml_linear(xs[k], [w], [int(qtype)])
+        for (w, t), (_, k) in zip(packed[turn[0]], LAYER, strict=True):
+            kernels.ggml_linear(xs[k], [w], [t])
 
     seconds = median_seconds(step, repeat)
     nbytes = sum(w.numel() for w in layers[0])
@@ -89,9 +93,11 @@ def prefill_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[flo
             w.view(-1, 210)[:, 208:] = 0x10
     xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LAYER}
 
+    packed = [kernels.ggml_repack(w, int(qtype), k) for w, (_, k) in zip(layer, LAYER, strict=True)]
+
     def dots() -> None:
-        for w, (_, k) in zip(layer, LAYER, strict=True):
-            kernels.ggml_linear(xs[k], [w], [int(qtype)])
+        for (w, t), (_, k) in zip(packed, LAYER, strict=True):
+            kernels.ggml_linear(xs[k], [w], [t])
 
     def gemm() -> None:
         for w, (n, k) in zip(layer, LAYER, strict=True):

@@ -51,9 +51,11 @@ SOURCES = (
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
 CPU_KERNEL_FLAGS = frozenset(
-    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"}
+    {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"}
 )
-_ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
+# (Every CPU with AVX512-BF16 has AVX512-VNNI: Cooper Lake, Sapphire Rapids, Zen 4 and 5.)
+_ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2",
+               "-mfma", "-mf16c"]  # fmt: skip
 
 
 @lru_cache(maxsize=1)

@@ -201,7 +201,9 @@ class Linear(nn.Module):
         self.blocks: dict[int, GGUFTensor] = {}
         self.dense_rows = 0  # gguf: rows that arrived in a format kept dense
         self.dequantized: set[str] = set()  # gguf: the block types it holds dense
+        # gguf, after `pack`: the kernel's (blocks, type ids) and each part's (type, rows)
         self.ggml: tuple[list[torch.Tensor], list[int]] | None = None
+        self.ggml_parts: list[tuple[str, int]] = []
 
     def load(self, tensor: torch.Tensor | GGUFTensor, rows: tuple[int, int] | None) -> None:
         """The weight loader: ``tensor`` holds this projection's rows ``rows`` (first,
@@ -223,7 +225,11 @@ class Linear(nn.Module):
         module docstring)."""
         if self.blocks and not self.dense_rows:  # all in kernel formats: keep the blocks
             parts = [self.blocks[row] for row in sorted(self.blocks)]
-            self.ggml = ([p.blocks for p in parts], [int(p.type) for p in parts])
+            # Each part in the layout its kernel reads fastest (Q4_0: regrouped by 8 rows).
+            packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
+            self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
+            self.ggml_parts = [(p.type.name, p.shape[0]) for p in parts]
+            self.blocks.clear()
             self.weight = None
             return
         for row, part in self.blocks.items():  # a mix: all dense
@@ -252,7 +258,7 @@ class Linear(nn.Module):
         quantization or dtype, naming the GGUF types dequantized into it (the fallback
         for a format the kernels do not multiply)."""
         if self.ggml is not None:
-            return [GGUFTensor.type_name(t) for t in self.ggml[1]]
+            return [name for name, _ in self.ggml_parts]
         dense = str(self.weight.dtype).removeprefix("torch.")
         if self.dequantized and self.quantization == GGUF:
             return [f"{dense} (dequantized {'+'.join(sorted(self.dequantized))})"]
@@ -282,8 +288,8 @@ class Linear(nn.Module):
         kernels = ggml_kernels()
         weight = torch.empty(self.out_features, self.in_features, dtype=dtype)
         row = 0
-        for blocks, qtype in zip(*self.ggml, strict=True):
-            rows = weight.narrow(0, row, blocks.shape[0])
-            kernels.ggml_dequantize(blocks, qtype, self.in_features, None, rows)
-            row += blocks.shape[0]
+        for blocks, qtype, (_, rows) in zip(*self.ggml, self.ggml_parts, strict=True):
+            part = weight.narrow(0, row, rows)
+            kernels.ggml_dequantize(blocks, qtype, self.in_features, None, part)
+            row += rows
         return weight

@@ -75,6 +75,28 @@ def test_linear_matches_the_dequantized_weights(qtype, dtype):
         assert _relative_error(y, x.float() @ dense.T) < 0.015, (qtype.name, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q4_0_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(dtype):
+    # ggml_repack regroups Q4_0 8 rows at a time for the kernel: the same weights (bit for
+    # bit), and products that differ from the plain layout's only in float summation order.
+    blocks = torch.from_numpy(random_blocks(T.Q4_0, 48, 736, np.random.default_rng(9)))
+    grouped, qtype = ggml_kernels().ggml_repack(blocks, int(T.Q4_0), 736)
+    assert qtype != int(T.Q4_0) and grouped.shape == (6, 23 * 18 * 8)
+    plain = ggml_kernels().ggml_dequantize(blocks, int(T.Q4_0), 736)
+    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, 736), plain)
+    rows = torch.tensor([47, 0, 9])
+    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, 736, rows), plain[rows])
+    for m in (1, 3, 4, 6):
+        x = torch.randn(m, 736, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = ggml_kernels().ggml_linear(x, [grouped], [qtype])
+        reference = ggml_kernels().ggml_linear(x, [blocks], [int(T.Q4_0)])
+        assert y.dtype == dtype and y.shape == (m, 48)
+        assert _relative_error(y, reference.float()) < (1e-5 if dtype == torch.float32 else 8e-3)
+        assert _relative_error(y, x.float() @ plain.T) < 0.015
+    odd = blocks[:44]  # not a multiple of 8 rows: kept as it is
+    assert ggml_kernels().ggml_repack(odd, int(T.Q4_0), 736)[1] == int(T.Q4_0)
+
+
 def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
     # More rows than GGML_DOT_MAX_ROWS with bf16 activations: the blocks dequantized to bf16
     # for the call and torch's GEMM, which is exactly the bf16-dequantized model's product.
