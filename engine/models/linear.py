@@ -286,7 +286,8 @@ class Linear(nn.Module):
         """The ``[out, in]`` weight of its GGUF blocks in ``dtype`` (float32 or bf16),
         made for one call: exact, then rounded once."""
         kernels = ggml_kernels()
-        weight = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        device = self.ggml[0][0].device  # the blocks' (host) memory
+        weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
         row = 0
         for blocks, qtype, (_, rows) in zip(*self.ggml, self.ggml_parts, strict=True):
             part = weight.narrow(0, row, rows)
