@@ -49,36 +49,35 @@ def read_bandwidth(repeat: int) -> float:
     return buf.numel() * 4 / median_seconds(buf.sum, repeat) / 1e9
 
 
-def layer_blocks(qtype: GGMLQuantizationType) -> list[torch.Tensor]:
+def layer_blocks(qtype: GGMLQuantizationType) -> list[tuple[torch.Tensor, int]]:
+    """A 1B layer's projections as random blocks with finite f16 scales (no NaN work), laid
+    out as `Linear.pack` lays them (Q4_0: regrouped by 8 rows): (blocks, type) each."""
     values, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
-    return [torch.from_numpy(rng.integers(0, 256, (n, k // values * size), dtype=np.uint8))
-            for n, k in LAYER]  # fmt: skip
+    layer = []
+    for n, k in LAYER:
+        w = torch.from_numpy(rng.integers(0, 256, (n, k // values * size), dtype=np.uint8))
+        w.view(-1, size)[:, :4] = 0x10  # d (and m / dmin)
+        if qtype.name == "Q6_K":
+            w.view(-1, 210)[:, 208:] = 0x10
+        layer.append(ggml_kernels().ggml_repack(w, int(qtype), k))
+    return layer
 
 
 def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
     """(ms per layer, GB/s of weights read) for `rows` activation rows."""
     kernels = ggml_kernels()
     layers = [layer_blocks(qtype) for _ in range(COPIES)]
-    for layer in layers:  # random bytes: make the f16 scales finite (no NaN work)
-        for w in layer:
-            w.view(-1, GGML_QUANT_SIZES[qtype][1])[:, :4] = 0x10  # d (and m / dmin)
-            if qtype.name == "Q6_K":
-                w.view(-1, 210)[:, 208:] = 0x10
     xs = {k: torch.randn(rows, k) for _, k in LAYER}
     turn = [0]
 
-    # As `Linear.pack` lays them out (Q4_0: regrouped by 8 rows).
-    packed = [[kernels.ggml_repack(w, int(qtype), k) for w, (_, k) in zip(layer, LAYER, strict=True)]
-              for layer in layers]  # fmt: skip
-
     def step() -> None:
         turn[0] = (turn[0] + 1) % COPIES
-        for (w, t), (_, k) in zip(packed[turn[0]], LAYER, strict=True):
+        for (w, t), (_, k) in zip(layers[turn[0]], LAYER, strict=True):
             kernels.ggml_linear(xs[k], [w], [t])
 
     seconds = median_seconds(step, repeat)
-    nbytes = sum(w.numel() for w in layers[0])
+    nbytes = sum(w.numel() for w, _ in layers[0])
     return seconds * 1e3, nbytes / seconds / 1e9
 
 
@@ -87,22 +86,16 @@ def prefill_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[flo
     projections on `rows` bf16 activation rows: the two paths `Linear` chooses between."""
     kernels = ggml_kernels()
     layer = layer_blocks(qtype)
-    for w in layer:  # finite f16 scales, as above
-        w.view(-1, GGML_QUANT_SIZES[qtype][1])[:, :4] = 0x10
-        if qtype.name == "Q6_K":
-            w.view(-1, 210)[:, 208:] = 0x10
     xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in LAYER}
 
-    packed = [kernels.ggml_repack(w, int(qtype), k) for w, (_, k) in zip(layer, LAYER, strict=True)]
-
     def dots() -> None:
-        for (w, t), (_, k) in zip(packed, LAYER, strict=True):
+        for (w, t), (_, k) in zip(layer, LAYER, strict=True):
             kernels.ggml_linear(xs[k], [w], [t])
 
     def gemm() -> None:
-        for w, (n, k) in zip(layer, LAYER, strict=True):
+        for (w, t), (n, k) in zip(layer, LAYER, strict=True):
             weight = torch.empty(n, k, dtype=torch.bfloat16)
-            kernels.ggml_dequantize(w, int(qtype), k, None, weight)
+            kernels.ggml_dequantize(w, t, k, None, weight)
             torch.nn.functional.linear(xs[k], weight)
 
     return median_seconds(dots, repeat) * 1e3, median_seconds(gemm, repeat) * 1e3
