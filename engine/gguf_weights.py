@@ -10,6 +10,8 @@ loader does).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import re
 import struct
 import warnings
@@ -24,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from engine.kernels import ggml_kernels
 
 QType = GGMLQuantizationType
+_libc = ctypes.CDLL(None, use_errno=True)
 # The block formats `ggml_linear` multiplies: what Q4_0, Q4_1, Q5_K_M, Q4_K_M, Q8_0 files hold.
 NATIVE_TYPES = frozenset(
     {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K,
@@ -54,11 +57,13 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 @dataclass(frozen=True)
 class GGUFTensor:
     """A 2-D weight in its ggml blocks: ``blocks`` is uint8 ``[rows, bytes per row]``
-    (a view of the memory-mapped file), ``shape`` the logical ``(rows, cols)``."""
+    (a view of the memory-mapped file where ``mapped``, else a copy), ``shape`` the
+    logical ``(rows, cols)``."""
 
     blocks: torch.Tensor
     type: GGMLQuantizationType
     shape: tuple[int, int]
+    mapped: bool = False
 
     @staticmethod
     def type_name(qtype: int) -> str:
@@ -77,6 +82,19 @@ class GGUFTensor:
         else:  # the gguf package's numpy reference: slower, every format it knows
             dense = torch.from_numpy(quants.dequantize(self.blocks.numpy(), self.type))
         return dense.view(self.shape).to(dtype)
+
+    def release(self) -> None:
+        """Give the file's pages under a mapped ``blocks`` back once a repacked copy serves
+        them, so resident memory holds each weight once (the pages are the file's, never
+        written: should anything touch them again they are read back from it)."""
+        if not self.mapped:
+            return
+        start, size = self.blocks.data_ptr(), self.blocks.numel()
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the blocks
+        last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
+                          mmap.MADV_DONTNEED)  # fmt: skip
 
     def select_rows(self, index: torch.Tensor) -> GGUFTensor:
         """A copy holding rows ``index`` (whole rows of blocks, so exact)."""
@@ -206,7 +224,7 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
                 tensor: torch.Tensor | GGUFTensor = _float_tensor(gguf.array(t), qtype, shape)
             elif len(shape) == 2:
                 blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
-                tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]))
+                tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]), mapped=True)
             else:
                 raise ValueError(f"GGUF tensor {t.name!r} of type {qtype.name} is not 2-D")
             if permuted and name.endswith(

@@ -225,8 +225,12 @@ class Linear(nn.Module):
         module docstring)."""
         if self.blocks and not self.dense_rows:  # all in kernel formats: keep the blocks
             parts = [self.blocks[row] for row in sorted(self.blocks)]
-            # Each part in the layout its kernel reads fastest (Q4_0: regrouped by 8 rows).
+            # Each part in the layout its kernel reads fastest (Q4_0, Q4_K, Q6_K: regrouped
+            # by 8 rows).
             packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
+            for part, (_, qtype) in zip(parts, packed, strict=True):
+                if qtype != int(part.type):  # a repacked copy now serves it
+                    part.release()
             self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
             self.ggml_parts = [(p.type.name, p.shape[0]) for p in parts]
             self.blocks.clear()

@@ -75,26 +75,34 @@ def test_linear_matches_the_dequantized_weights(qtype, dtype):
         assert _relative_error(y, x.float() @ dense.T) < 0.015, (qtype.name, rows)
 
 
+# The regrouped layouts' bytes per 8-row group and block column (Q4_Kx8 unpacks the scales).
+REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q4_K: (512, 148 * 8), T.Q6_K: (512, 210 * 8)}
+
+
+@pytest.mark.parametrize("source", list(REGROUPED), ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_q4_0_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(dtype):
-    # ggml_repack regroups Q4_0 8 rows at a time for the kernel: the same weights (bit for
-    # bit), and products that differ from the plain layout's only in float summation order.
-    blocks = torch.from_numpy(random_blocks(T.Q4_0, 48, 736, np.random.default_rng(9)))
-    grouped, qtype = ggml_kernels().ggml_repack(blocks, int(T.Q4_0), 736)
-    assert qtype != int(T.Q4_0) and grouped.shape == (6, 23 * 18 * 8)
-    plain = ggml_kernels().ggml_dequantize(blocks, int(T.Q4_0), 736)
-    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, 736), plain)
+def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dtype):
+    # ggml_repack regroups Q4_0, Q4_K and Q6_K 8 rows at a time for the kernel: the same weights
+    # (bit for bit), and products that differ from the plain layout's only in float
+    # summation order.
+    cols, column_bytes = REGROUPED[source]
+    blocks = torch.from_numpy(random_blocks(source, 48, cols, np.random.default_rng(9)))
+    grouped, qtype = ggml_kernels().ggml_repack(blocks, int(source), cols)
+    columns = cols // (32 if source == T.Q4_0 else 256)
+    assert qtype != int(source) and grouped.shape == (6, columns * column_bytes)
+    plain = ggml_kernels().ggml_dequantize(blocks, int(source), cols)
+    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, cols), plain)
     rows = torch.tensor([47, 0, 9])
-    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, 736, rows), plain[rows])
+    assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, cols, rows), plain[rows])
     for m in (1, 3, 4, 6):
-        x = torch.randn(m, 736, generator=torch.Generator().manual_seed(m)).to(dtype)
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(dtype)
         y = ggml_kernels().ggml_linear(x, [grouped], [qtype])
-        reference = ggml_kernels().ggml_linear(x, [blocks], [int(T.Q4_0)])
+        reference = ggml_kernels().ggml_linear(x, [blocks], [int(source)])
         assert y.dtype == dtype and y.shape == (m, 48)
         assert _relative_error(y, reference.float()) < (1e-5 if dtype == torch.float32 else 8e-3)
         assert _relative_error(y, x.float() @ plain.T) < 0.015
     odd = blocks[:44]  # not a multiple of 8 rows: kept as it is
-    assert ggml_kernels().ggml_repack(odd, int(T.Q4_0), 736)[1] == int(T.Q4_0)
+    assert ggml_kernels().ggml_repack(odd, int(source), cols)[1] == int(source)
 
 
 def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
@@ -177,3 +185,21 @@ def test_gguf_tensor_dequantize_falls_back_to_numpy_for_other_types():
     tensor = GGUFTensor(torch.from_numpy(blocks), T.Q2_K, (3, 256))
     assert not tensor.native
     assert _exact(tensor.dequantize().numpy(), quants.dequantize(blocks, T.Q2_K))
+
+
+def test_released_file_pages_read_back_as_the_file_and_copies_are_never_released():
+    # A repacked weight gives its file pages back (MADV_DONTNEED): they are the file's and
+    # come back from it if touched. A copy (llama's permuted q/k rows) is anonymous memory,
+    # which the same call would zero, so it must never be released.
+    from engine.gguf_weights import read_tensors
+
+    tensors = [t for _, t in read_tensors(default_gguf_path()) if isinstance(t, GGUFTensor)]
+    mapped = max((t for t in tensors if t.mapped), key=lambda t: t.blocks.numel())
+    before = mapped.blocks.clone()
+    mapped.release()
+    assert torch.equal(mapped.blocks, before)
+    copy = mapped.select_rows(torch.arange(mapped.shape[0]))
+    assert not copy.mapped
+    kept = copy.blocks.clone()
+    copy.release()
+    assert torch.equal(copy.blocks, kept)

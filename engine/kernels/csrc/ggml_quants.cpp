@@ -1,7 +1,8 @@
 // GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
 //
-// Two things per format, both reading the file's block bytes as they are (no repacking):
+// Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
+// Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
 //
 // * `ggml_dequantize`: the float32 weights, computed exactly as ggml and the `gguf`
 //   package define them (same products in the same order; this file is compiled with
@@ -38,7 +39,22 @@ enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K
 // and one float multiply per block for 8 rows (the plain layout spends ~9 of its ~15
 // vector ops per block and row on that float work, which keeps it under the memory time).
 constexpr int64_t Q4_0x8 = 1000 + Q4_0;
+// Q4_K the same way (Q4_Kx8). Per super-block column b, a group holds its 8 rows' f16 d
+// (16 bytes) and dmin (16), their 6-bit scales unpacked to bytes, sub-block i's at 32 + 8 i
+// + r, their mins the same way but in pairs of sub-blocks (2p, 2p + 1) at 96 + 16 p + 2 r,
+// which one int16 multiply-add then applies to 8 rows at once, and at 160 their 128 quant
+// bytes interleaved as Q4_0x8's: bytes 4t..4t+3 of chunk j (sub-blocks 2j and 2j + 1) of row
+// r at 160 + 32 (8 j + t) + 4 r. 148 bytes a row where the file has 144: the scales' 6-bit
+// packing is undone once here, not at every step.
+constexpr int64_t Q4_Kx8 = 1000 + Q4_K;
+// Q6_K too (Q6_Kx8), as large as the file's: per super-block column its 8 rows' f16 d (16
+// bytes), their 16 int8 scales, sub-block s's at 16 + 8 s + r, then per half h (128 values)
+// at 144 + 768 h the low-bit bytes ql (64 a row) interleaved 4 at a time, bytes 4k..4k+3 of
+// row r at 32 k + 4 r, and the high-bit bytes qh (32 a row) the same way 512 bytes later.
+constexpr int64_t Q6_Kx8 = 1000 + Q6_K;
 constexpr int64_t kGroupRows = 8;
+constexpr int64_t kQ4KColumn = 1184;  // bytes per super-block column of a Q4_Kx8 group
+constexpr int64_t kQ6KColumn = 1680;  // and of a Q6_Kx8 group
 
 constexpr int64_t QK = 32;    // values per activation block and per legacy weight block
 constexpr int64_t QKK = 256;  // values per K-quant super-block
@@ -58,13 +74,17 @@ Format format_of(int64_t type) {
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
+    case Q4_Kx8: return {256, kQ4KColumn};
+    case Q6_Kx8: return {256, kQ6KColumn};
   }
   TORCH_CHECK(false, "ggml type ", type, " is not supported by pagedserve's GGUF kernels");
 }
 
+inline bool grouped(int64_t type) { return type == Q4_0x8 || type == Q4_Kx8 || type == Q6_Kx8; }
+
 // Rows of weights that `w`'s first dimension holds (groups of 8 once repacked).
 int64_t rows_of(const torch::Tensor& w, int64_t type) {
-  return w.size(0) * (type == Q4_0x8 ? kGroupRows : 1);
+  return w.size(0) * (grouped(type) ? kGroupRows : 1);
 }
 
 inline float fp16(const uint8_t* p) {
@@ -88,6 +108,21 @@ inline void unpack_scales_k4(const uint8_t* p, uint8_t* out) {
 }
 
 // ---------------------------------------------------------------- exact dequantization
+
+// A Q4_K or Q5_K super-block from its parts: d, dmin, the unpacked scales and mins, the 128
+// quant bytes (sub-blocks of 32: low then high nibbles of 32 bytes) and Q5_K's fifth bits.
+void dequantize_k(float d, float dmin, const uint8_t* sm, const uint8_t* qs, const uint8_t* qh,
+                  float* y) {
+  for (int i = 0; i < 8; ++i) {
+    const float d1 = d * (float)sm[i], m1 = dmin * (float)sm[8 + i];
+    const uint8_t* q = qs + 32 * (i / 2);
+    for (int l = 0; l < 32; ++l) {
+      int v = (i % 2) ? (q[l] >> 4) : (q[l] & 0xF);
+      if (qh) v |= ((qh[l] >> i) & 1) << 4;
+      y[32 * i + l] = d1 * (float)v - m1;
+    }
+  }
+}
 
 void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
@@ -134,20 +169,10 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
     }
     case Q4_K:
     case Q5_K: {
-      const float d = fp16(b), dmin = fp16(b + 2);
       uint8_t sm[16];
       unpack_scales_k4(b + 4, sm);
-      const uint8_t* qh = b + 16;                       // Q5_K only
-      const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
-      for (int i = 0; i < 8; ++i) {  // sub-blocks of 32: low then high nibbles of 32 bytes
-        const float d1 = d * (float)sm[i], m1 = dmin * (float)sm[8 + i];
-        const uint8_t* q = qs + 32 * (i / 2);
-        for (int l = 0; l < 32; ++l) {
-          int v = (i % 2) ? (q[l] >> 4) : (q[l] & 0xF);
-          if (type == Q5_K) v |= ((qh[l] >> i) & 1) << 4;
-          y[32 * i + l] = d1 * (float)v - m1;
-        }
-      }
+      dequantize_k(fp16(b), fp16(b + 2), sm, b + (type == Q4_K ? 16 : 48),
+                   type == Q5_K ? b + 16 : nullptr, y);
       return;
     }
     case Q6_K: {
@@ -181,14 +206,44 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
     dequantize_block(type, row + b * f.block_bytes, y + b * f.block_values);
 }
 
-// Row r (0-7) of a repacked Q4_0 group: each block gathered back to ggml's layout first.
-void dequantize_group_row(const uint8_t* group, int64_t r, int64_t cols, float* y) {
-  uint8_t block[18];
-  for (int64_t b = 0; b < cols / QK; ++b) {
-    const uint8_t* column = group + b * 18 * kGroupRows;
-    std::memcpy(block, column + 2 * r, 2);
-    for (int j = 0; j < 4; ++j) std::memcpy(block + 2 + 4 * j, column + 16 + 32 * j + 4 * r, 4);
-    dequantize_block(Q4_0, block, y + b * QK);
+// Row r (0-7) of a repacked group: each block's parts gathered back from the group first.
+void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
+                          float* y) {
+  if (type == Q4_0x8) {
+    uint8_t block[18];
+    for (int64_t b = 0; b < cols / QK; ++b) {
+      const uint8_t* column = group + b * 18 * kGroupRows;
+      std::memcpy(block, column + 2 * r, 2);
+      for (int j = 0; j < 4; ++j) std::memcpy(block + 2 + 4 * j, column + 16 + 32 * j + 4 * r, 4);
+      dequantize_block(Q4_0, block, y + b * QK);
+    }
+    return;
+  }
+  if (type == Q6_Kx8) {
+    uint8_t block[210];
+    for (int64_t b = 0; b < cols / QKK; ++b) {
+      const uint8_t* column = group + b * kQ6KColumn;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* half = column + 144 + 768 * h;
+        for (int k = 0; k < 16; ++k) std::memcpy(block + 64 * h + 4 * k, half + 32 * k + 4 * r, 4);
+        for (int k = 0; k < 8; ++k)
+          std::memcpy(block + 128 + 32 * h + 4 * k, half + 512 + 32 * k + 4 * r, 4);
+      }
+      for (int i = 0; i < 16; ++i) block[192 + i] = column[16 + 8 * i + r];
+      std::memcpy(block + 208, column + 2 * r, 2);
+      dequantize_block(Q6_K, block, y + b * QKK);
+    }
+    return;
+  }
+  uint8_t sm[16], qs[128];
+  for (int64_t b = 0; b < cols / QKK; ++b) {  // Q4_Kx8
+    const uint8_t* column = group + b * kQ4KColumn;
+    for (int i = 0; i < 8; ++i) {
+      sm[i] = column[32 + 8 * i + r];
+      sm[8 + i] = column[96 + 16 * (i / 2) + 2 * r + i % 2];
+    }
+    for (int k = 0; k < 32; ++k) std::memcpy(qs + 4 * k, column + 160 + 32 * k + 4 * r, 4);
+    dequantize_k(fp16(column + 2 * r), fp16(column + 16 + 2 * r), sm, qs, nullptr, y + b * QKK);
   }
 }
 
@@ -562,6 +617,132 @@ void groups_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
   }
 }
 
+// Repacked Q4_K (see Q4_Kx8), as groups_dot_q4_0: one int32 sum per row and sub-block from
+// integer dots, times the row's scale for that sub-block (an int32 multiply per 8 rows),
+// summed over the super-block; the mins against the activations' sums of 32 by int16
+// multiply-adds; two float multiplies per super-block for 8 rows.
+template <int MT, typename Out>
+void groups_dot_q4_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                     const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  const int64_t blocks = K / QKK;
+  const __m256i low = _mm256_set1_epi8(0xF);
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    const uint8_t* group = w + (n / kGroupRows) * group_bytes;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* c = group + b * kQ4KColumn;
+      const uint8_t* qs = c + 160;
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {  // chunk j: sub-blocks 2j (low nibbles), 2j + 1 (high)
+        _mm_prefetch((const char*)(qs + kQ4KColumn + 256 * j), _MM_HINT_T0);
+        _mm_prefetch((const char*)(qs + kQ4KColumn + 256 * j + 128), _MM_HINT_T0);
+        __m256i lo_sum[MT], hi_sum[MT];
+        for (int m = 0; m < MT; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; ++t) {
+          const __m256i v = load32(qs + 32 * (8 * j + t));
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xq = x[m * xstride + b].q + 64 * j + 4 * t;
+            lo_sum[m] = dot4_add(lo_sum[m], lo, broadcast4(xq));
+            hi_sum[m] = dot4_add(hi_sum[m], hi, broadcast4(xq + 32));
+          }
+        }
+        const __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 32 + 16 * j)));
+        const __m256i sc_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 40 + 16 * j)));
+        for (int m = 0; m < MT; ++m)
+          isum[m] = _mm256_add_epi32(isum[m],
+                                     _mm256_add_epi32(_mm256_mullo_epi32(lo_sum[m], sc_lo),
+                                                      _mm256_mullo_epi32(hi_sum[m], sc_hi)));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
+      __m256i mins[4];  // pair p: row r's (min 2p, min 2p + 1) as int16 in lane r
+      for (int p = 0; p < 4; ++p)
+        mins[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(c + 96 + 16 * p)));
+      for (int m = 0; m < MT; ++m) {
+        const XBlockK* xb = x + m * xstride + b;
+        __m256i msum = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, xb->sums32 + 2 * p, 4);
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], _mm256_set1_epi32(pair)));
+        }
+        const __m256 xd = _mm256_set1_ps(xb->d);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, xd), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, xd), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) store8(y + m * ldy + n, acc[m]);
+  }
+}
+
+// Repacked Q6_K (see Q6_Kx8), as groups_dot_q4_k: the 6-bit values put together from the
+// low and high bits of 8 rows at once, one int32 sum per row and sub-block of 16, less the
+// -32 offset's 32 * (the activations' sum), times the row's int8 scale for that sub-block.
+template <int MT, typename Out>
+void groups_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                     const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  const int64_t blocks = K / QKK;
+  const __m256i low = _mm256_set1_epi8(0xF), high = _mm256_set1_epi8(0x30);
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    const uint8_t* group = w + (n / kGroupRows) * group_bytes;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* c = group + b * kQ6KColumn;
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = c + 144 + 768 * h;
+        const uint8_t* qh = ql + 512;
+        for (int k = 0; k < 768; k += 64)
+          _mm_prefetch((const char*)(ql + kQ6KColumn + k), _MM_HINT_T0);
+        for (int th = 0; th < 2; ++th) {  // values 0-15 of each 32 (t < 4), then 16-31
+          __m256i sum[4][MT];  // per group of 32 values g: sub-block 8 h + 2 g + th
+          for (int g = 0; g < 4; ++g)
+            for (int m = 0; m < MT; ++m) sum[g][m] = _mm256_setzero_si256();
+          for (int t = 4 * th; t < 4 * th + 4; ++t) {
+            const __m256i a = load32(ql + 32 * t), bq = load32(ql + 32 * (8 + t));
+            const __m256i hb = load32(qh + 32 * t);
+            const __m256i u[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, low),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), high)),
+                _mm256_or_si256(_mm256_and_si256(bq, low),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), high)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                                _mm256_and_si256(hb, high)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), high))};
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* xq = x[m * xstride + b].q + 128 * h + 4 * t;
+              for (int g = 0; g < 4; ++g)
+                sum[g][m] = dot4_add(sum[g][m], u[g], broadcast4(xq + 32 * g));
+            }
+          }
+          for (int g = 0; g < 4; ++g) {
+            const int sub = 8 * h + 2 * g + th;
+            const __m256i sc =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 16 + 8 * sub)));
+            for (int m = 0; m < MT; ++m) {
+              const __m256i offset = _mm256_set1_epi32(32 * x[m * xstride + b].bsums[sub]);
+              isum[m] = _mm256_add_epi32(
+                  isum[m], _mm256_mullo_epi32(_mm256_sub_epi32(sum[g][m], offset), sc));
+            }
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(x[m * xstride + b].d)), acc[m]);
+    }
+    for (int m = 0; m < MT; ++m) store8(y + m * ldy + n, acc[m]);
+  }
+}
+
 // One weight of a fused projection: its blocks, type, and first output column.
 struct Segment {
   const uint8_t* w;
@@ -600,16 +781,22 @@ void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a
 template <typename Out>
 void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, Out* y, int64_t ldy) {
-  const int64_t xstride = K / QK;
+  const int64_t xstride = K / (s.type == Q4_0x8 ? QK : QKK);
   for (int64_t m = 0; m < M; m += kTile) {
     const XBlock* x = a.x32.data() + m * xstride;
+    const XBlockK* xk = a.x256.data() + m * xstride;
     Out* o = y + s.col0 + m * ldy;
+#define GROUPS(MT)                                                                     \
+  s.type == Q4_0x8   ? groups_dot_q4_0<MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
+  : s.type == Q4_Kx8 ? groups_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy) \
+                     : groups_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
     switch (std::min<int64_t>(kTile, M - m)) {
-      case 1: groups_dot_q4_0<1>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      case 2: groups_dot_q4_0<2>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      case 3: groups_dot_q4_0<3>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      default: groups_dot_q4_0<4>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      case 1: GROUPS(1); break;
+      case 2: GROUPS(2); break;
+      case 3: GROUPS(3); break;
+      default: GROUPS(4); break;
     }
+#undef GROUPS
   }
 }
 
@@ -617,7 +804,9 @@ template <typename Out>
 void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                  int64_t K, Out* y, int64_t ldy) {
   switch (s.type) {
-    case Q4_0x8: return group_rows(s, n0, n1, a, M, K, y, ldy);
+    case Q4_0x8:
+    case Q4_Kx8:
+    case Q6_Kx8: return group_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
     case Q4_1: return segment_rows<BlockQ4_1>(s, n0, n1, a, M, K, y, ldy);
     case Q5_0: return segment_rows<BlockQ5<false>>(s, n0, n1, a, M, K, y, ldy);
@@ -669,8 +858,9 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
     std::vector<float> row(bf16 ? cols : 0);
     for (int64_t i = i0; i < i1; ++i) {
       float* dst = bf16 ? row.data() : y.data_ptr<float>() + i * cols;
-      if (type == Q4_0x8)
-        dequantize_group_row(base + r[i] / kGroupRows * stride, r[i] % kGroupRows, cols, dst);
+      if (grouped(type))
+        dequantize_group_row(type, base + r[i] / kGroupRows * stride, r[i] % kGroupRows, cols,
+                             dst);
       else
         dequantize_row(type, base + r[i] * stride, cols, dst);
       if (!bf16) continue;
@@ -721,26 +911,75 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
   return y;
 }
 
-// A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0
-// of a multiple of 8 rows regrouped (Q4_0x8); anything else as it is.
+namespace {
+
+void repack_q4_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  constexpr int64_t column = 18 * kGroupRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * column;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 18;
+      std::memcpy(c + 2 * r, block, 2);
+      for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 2 + 4 * j, 4);
+    }
+  }
+}
+
+void repack_q4_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  uint8_t sm[16];
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * kQ4KColumn;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 144;
+      std::memcpy(c + 2 * r, block, 2);
+      std::memcpy(c + 16 + 2 * r, block + 2, 2);
+      unpack_scales_k4(block + 4, sm);
+      for (int i = 0; i < 8; ++i) {
+        c[32 + 8 * i + r] = sm[i];
+        c[96 + 16 * (i / 2) + 2 * r + i % 2] = sm[8 + i];
+      }
+      for (int k = 0; k < 32; ++k) std::memcpy(c + 160 + 32 * k + 4 * r, block + 16 + 4 * k, 4);
+    }
+  }
+}
+
+void repack_q6_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * kQ6KColumn;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 210;
+      std::memcpy(c + 2 * r, block + 208, 2);
+      for (int i = 0; i < 16; ++i) c[16 + 8 * i + r] = block[192 + i];
+      for (int h = 0; h < 2; ++h) {
+        uint8_t* half = c + 144 + 768 * h;
+        for (int k = 0; k < 16; ++k) std::memcpy(half + 32 * k + 4 * r, block + 64 * h + 4 * k, 4);
+        for (int k = 0; k < 8; ++k)
+          std::memcpy(half + 512 + 32 * k + 4 * r, block + 128 + 32 * h + 4 * k, 4);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0 and
+// Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q4_Kx8, Q6_Kx8); anything else as
+// it is.
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols) {
   check_blocks(w, type, cols);
-  if (type != Q4_0 || w.size(0) % kGroupRows) return {w, type};
-  const int64_t groups = w.size(0) / kGroupRows, blocks = cols / QK, column = 18 * kGroupRows;
-  torch::Tensor out = torch::empty({groups, blocks * column}, torch::kUInt8);
+  if ((type != Q4_0 && type != Q4_K && type != Q6_K) || w.size(0) % kGroupRows) return {w, type};
+  const int64_t grouped_type = 1000 + type;
+  const Format f = format_of(grouped_type);
+  const int64_t groups = w.size(0) / kGroupRows, blocks = cols / f.block_values;
+  torch::Tensor out = torch::empty({groups, blocks * f.block_bytes}, torch::kUInt8);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t stride = w.stride(0);
+  const int64_t stride = w.stride(0), group_bytes = out.size(1);
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* c = dst + g * blocks * column + b * column;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 18;
-          std::memcpy(c + 2 * r, block, 2);
-          for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 2 + 4 * j, 4);
-        }
-      }
+      (type == Q4_0   ? repack_q4_0
+       : type == Q4_K ? repack_q4_k
+                      : repack_q6_k)(src, stride, blocks, dst + g * group_bytes, g);
   });
-  return {out, Q4_0x8};
+  return {out, grouped_type};
 }
