@@ -22,10 +22,11 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
 * ``quantization="gguf"`` (CPU, float32 or bf16): a GGUF's weights stay in their ggml
   blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
   `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
-  Calls of up to `GGML_DOT_MAX_ROWS` rows (decode) go through `ggml_linear` on
-  int8-quantized activations, as llama.cpp computes; larger bf16 calls (prefill)
-  dequantize the blocks to bf16 for the call and take torch's GEMM. A projection with any
-  part in another format is dequantized whole instead.
+  `ggml_linear` multiplies them on int8-quantized activations, as llama.cpp computes.
+  Q4_0, Q4_K and Q6_K are regrouped 8 rows at a time at load, a layout whose kernel
+  (512 bits wide on AVX-512) also serves prefill; bf16 calls of more than
+  `GGML_DOT_MAX_ROWS` rows on other formats dequantize the blocks to bf16 for the call and
+  take torch's GEMM. A projection with any part in another format is dequantized whole.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
 
 int4 layers load their weights in float32, so they are rounded once, by the quantizer
@@ -34,6 +35,7 @@ int4 layers load their weights in float32, so they are rounded once, by the quan
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import torch
@@ -57,12 +59,14 @@ INT8_GROUP = 64
 # INT4_KERNEL_MAX_ROWS; beyond that (prefill) torch multiplies a dequantized copy.
 INT4_GROUP = 32
 INT4_KERNEL_MAX_ROWS = 64
-# GGUF blocks with bf16 activations: calls of more rows than this (prefill, large batches)
-# dequantize the weight to bf16 for the call and take torch's bf16 GEMM, where the int8
-# dot products are bound by arithmetic: a 1B layer's gate/up at 512 rows, 25 ms of GEMM
-# (+15 ms of dequantization) against 74 ms (Q4_K) or 157 ms (Q4_0) of int8 dots; at 32
-# rows and below the int8 dots win (`python -m bench.ggml_kernels --prefill`).
+# GGUF blocks in their file's layout with bf16 activations: calls of more rows than this
+# (prefill, large batches) dequantize the weight to bf16 for the call and take torch's bf16
+# GEMM, where those int8 dot products are bound by arithmetic. Regrouped blocks (Q4_0,
+# Q4_K, Q6_K) take their int8 kernel at any size: at 512 rows it is 1.0x (Q6_K) to 1.6x
+# (Q4_0, Q4_K) faster than dequantizing and the GEMM (`python -m bench.ggml_kernels
+# --prefill`, Zen 5).
 GGML_DOT_MAX_ROWS = 32
+ANY_ROWS = sys.maxsize
 QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs from float weights
 GGUF = "gguf"  # keep a GGUF's own blocks
 
@@ -204,6 +208,7 @@ class Linear(nn.Module):
         # gguf, after `pack`: the kernel's (blocks, type ids) and each part's (type, rows)
         self.ggml: tuple[list[torch.Tensor], list[int]] | None = None
         self.ggml_parts: list[tuple[str, int]] = []
+        self.ggml_max_rows = GGML_DOT_MAX_ROWS  # bf16 rows through `ggml_linear`
 
     def load(self, tensor: torch.Tensor | GGUFTensor, rows: tuple[int, int] | None) -> None:
         """The weight loader: ``tensor`` holds this projection's rows ``rows`` (first,
@@ -228,9 +233,12 @@ class Linear(nn.Module):
             # Each part in the layout its kernel reads fastest (Q4_0, Q4_K, Q6_K: regrouped
             # by 8 rows).
             packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
-            for part, (_, qtype) in zip(parts, packed, strict=True):
-                if qtype != int(part.type):  # a repacked copy now serves it
+            regrouped = [qtype != int(p.type) for p, (_, qtype) in zip(parts, packed, strict=True)]
+            for part, copied in zip(parts, regrouped, strict=True):
+                if copied:  # a repacked copy now serves it
                     part.release()
+            if all(regrouped):
+                self.ggml_max_rows = ANY_ROWS
             self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
             self.ggml_parts = [(p.type.name, p.shape[0]) for p in parts]
             self.blocks.clear()
@@ -273,12 +281,12 @@ class Linear(nn.Module):
         """The most rows `forward` sends through the kernel (0: it has none; GGUF blocks
         go through theirs at any size)."""
         if self.ggml is not None:
-            return GGML_DOT_MAX_ROWS
+            return self.ggml_max_rows
         return 0 if self.kernel is None else kernel_max_rows(self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ggml is not None:
-            if x.dtype == torch.bfloat16 and x.shape[0] > GGML_DOT_MAX_ROWS:
+            if x.dtype == torch.bfloat16 and x.shape[0] > self.ggml_max_rows:
                 return F.linear(x, self.dense_weight(x.dtype), self.bias)
             y = ggml_kernels().ggml_linear(x, *self.ggml)
             return y if self.bias is None else y + self.bias

@@ -86,45 +86,66 @@ def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dt
     # (bit for bit), and products that differ from the plain layout's only in float
     # summation order.
     cols, column_bytes = REGROUPED[source]
-    blocks = torch.from_numpy(random_blocks(source, 48, cols, np.random.default_rng(9)))
+    # 56 rows: pairs of 8-row groups and one group alone (AVX-512's wide path and its rest)
+    blocks = torch.from_numpy(random_blocks(source, 56, cols, np.random.default_rng(9)))
     grouped, qtype = ggml_kernels().ggml_repack(blocks, int(source), cols)
     columns = cols // (32 if source == T.Q4_0 else 256)
-    assert qtype != int(source) and grouped.shape == (6, columns * column_bytes)
+    assert qtype != int(source) and grouped.shape == (7, columns * column_bytes)
     plain = ggml_kernels().ggml_dequantize(blocks, int(source), cols)
     assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, cols), plain)
     rows = torch.tensor([47, 0, 9])
     assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, cols, rows), plain[rows])
-    for m in (1, 3, 4, 6):
+    for m in (1, 3, 4, 6, 8, 13):  # every tile: 1-8 rows, and 8 + 5
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(dtype)
         y = ggml_kernels().ggml_linear(x, [grouped], [qtype])
         reference = ggml_kernels().ggml_linear(x, [blocks], [int(source)])
-        assert y.dtype == dtype and y.shape == (m, 48)
+        assert y.dtype == dtype and y.shape == (m, 56)
         assert _relative_error(y, reference.float()) < (1e-5 if dtype == torch.float32 else 8e-3)
         assert _relative_error(y, x.float() @ plain.T) < 0.015
     odd = blocks[:44]  # not a multiple of 8 rows: kept as it is
     assert ggml_kernels().ggml_repack(odd, int(source), cols)[1] == int(source)
 
 
-def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
-    # More rows than GGML_DOT_MAX_ROWS with bf16 activations: the blocks dequantized to bf16
-    # for the call and torch's GEMM, which is exactly the bf16-dequantized model's product.
-    rng = np.random.default_rng(5)
-    parts = [(T.Q4_K, 16), (T.Q4_0, 8)]
-    linear = Linear(512, 24, bias=False, dtype=torch.bfloat16, device="cpu", quantization=GGUF)
+def _gguf_linear(parts: list[tuple[T, int]], seed: int) -> tuple[Linear, torch.Tensor]:
+    """A bf16 GGUF `Linear` of fused parts (type, rows) of 512 columns, and its float32
+    weights as ggml dequantizes them."""
+    rng = np.random.default_rng(seed)
+    rows = sum(r for _, r in parts)
+    linear = Linear(512, rows, bias=False, dtype=torch.bfloat16, device="cpu", quantization=GGUF)
     row, dense = 0, []
-    for qtype, rows in parts:
-        blocks = random_blocks(qtype, rows, 512, rng)
-        linear.load(GGUFTensor(torch.from_numpy(blocks), qtype, (rows, 512)), (row, rows))
+    for qtype, count in parts:
+        blocks = random_blocks(qtype, count, 512, rng)
+        linear.load(GGUFTensor(torch.from_numpy(blocks), qtype, (count, 512)), (row, count))
         dense.append(torch.from_numpy(quants.dequantize(blocks, qtype)))
-        row += rows
+        row += count
     linear.pack()
-    dense = torch.cat(dense)
+    return linear, torch.cat(dense)
+
+
+def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
+    # More rows than GGML_DOT_MAX_ROWS with bf16 activations, on blocks in their file's
+    # layout: dequantized to bf16 for the call and torch's GEMM, which is exactly the
+    # bf16-dequantized model's product.
+    linear, dense = _gguf_linear([(T.Q5_K, 16), (T.Q8_0, 8)], seed=5)
+    assert linear.kernel_max_rows == GGML_DOT_MAX_ROWS
     x = torch.randn(GGML_DOT_MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.bfloat16)
     assert torch.equal(linear(x), torch.nn.functional.linear(x, dense.to(torch.bfloat16)))
     small = x[:GGML_DOT_MAX_ROWS]  # the int8 dot products: close, not equal
     assert not torch.equal(linear(small), torch.nn.functional.linear(small, dense.bfloat16()))
     assert _relative_error(linear(small), small.float() @ dense.T) < 0.015
+
+
+def test_regrouped_blocks_take_their_int8_kernel_at_any_size():
+    # Q4_0, Q4_K and Q6_K regrouped: their kernel beats dequantizing for a GEMM at prefill
+    # sizes too, so every call takes it (close to the dense product, never equal to it).
+    linear, dense = _gguf_linear([(T.Q4_K, 16), (T.Q6_K, 8), (T.Q4_0, 16)], seed=6)
+    assert linear.kernel_max_rows > 4096
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert not torch.equal(linear(x), torch.nn.functional.linear(x, dense.bfloat16()))
+    assert _relative_error(linear(x), x.float() @ dense.T) < 0.015
+    mixed, _ = _gguf_linear([(T.Q4_K, 16), (T.Q8_0, 8)], seed=7)  # one part not regrouped
+    assert mixed.kernel_max_rows == GGML_DOT_MAX_ROWS
 
 
 def test_a_fused_projection_multiplies_parts_of_different_types():
