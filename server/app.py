@@ -8,18 +8,20 @@ it, aborting whatever is still in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import bad_request, engine_dead, install_error_handlers, shutting_down
+from server.json_body import read_json_body
 from server.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
@@ -40,7 +42,6 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     plain_message,
-    reject_unencodable_text,
 )
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
 from server.tokens import apply_chat_template
@@ -82,9 +83,8 @@ def build_app(
         finally:
             await asyncio.to_thread(engine_client.shutdown)
 
-    app = FastAPI(
-        title="pagedserve", lifespan=lifespan, dependencies=[Depends(_reject_unencodable_text)]
-    )
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.router.route_class = JsonBodyRoute  # before any route is added
     app.state.ctx = ctx
     install_error_handlers(app)
     install_openapi(app, ctx)
@@ -97,15 +97,42 @@ def build_app(
     return app
 
 
-async def _reject_unencodable_text(request: Request) -> None:
-    """Every route's first check: no string in a JSON body holds a lone surrogate."""
-    if not await request.body():
-        return
-    try:
-        body = await request.json()  # parsed once: FastAPI reads the same cached body
-    except ValueError:
-        return  # not JSON: the body's validation says so
-    reject_unencodable_text(body)
+class JsonBodyRequest(Request):
+    """A request whose JSON body is read by `read_json_body` (FastAPI calls `json()`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json_body"):
+            self._json_body = read_json_body(await self.body())
+        return self._json_body
+
+
+class JsonBodyRoute(APIRoute):
+    """Every route reads its body through the one bounded reader, before FastAPI does.
+
+    Read first so that its 400s (too deep, not JSON, not Unicode) reach the error handlers
+    as they are: raised inside FastAPI's own body reading they would become a bare 400.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        takes_body = self.body_field is not None  # a GET's body is ignored, as FastAPI does
+
+        async def read_then_handle(request: Request) -> Response:
+            request = JsonBodyRequest(request.scope, request.receive)
+            declared = _declares_json(request.headers.get("content-type"))
+            if takes_body and declared and await request.body():
+                await request.json()
+            return await handler(request)
+
+        return read_then_handle
+
+
+def _declares_json(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body of this type as JSON (application/json or */*+json)."""
+    mime = (content_type or "").split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (
+        mime.startswith("application/") and mime.endswith("+json")
+    )
 
 
 _GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)

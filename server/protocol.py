@@ -12,7 +12,6 @@ Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -20,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from engine import SamplingParams, StructuredOutputs, fits_context
+from server import json_body
 from server.errors import bad_request
 
 MAX_N = 128
@@ -137,61 +137,29 @@ class OpenAIBaseModel(BaseModel):
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral_floats_as_ints(v) for v in value]
-    return value
+    """A copy of a parsed JSON value with every integral float an int. Iterative: the body
+    reader bounds the nesting, but pydantic also validates plain Python values."""
+    if not isinstance(value, dict | list):
+        return _integral(value)
+    root: Any = {} if isinstance(value, dict) else [None] * len(value)
+    stack = [(value, root)]
+    while stack:
+        source, copy = stack.pop()
+        for key, item in source.items() if isinstance(source, dict) else enumerate(source):
+            if isinstance(item, dict | list):
+                copy[key] = {} if isinstance(item, dict) else [None] * len(item)
+                stack.append((item, copy[key]))
+            else:
+                copy[key] = _integral(item)
+    return root
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _is_unset(value: Any) -> bool:
     return value is None or value is False or value == "" or value == [] or value == {}
-
-
-def first_unencodable_text(value: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
-    """The path of the first string in a parsed JSON body that UTF-8 cannot encode.
-
-    JSON may escape lone surrogates ("\\ud800"); no tokenizer, log or response can
-    carry them. A bad object key is reported at its object's path.
-    """
-    if isinstance(value, str):
-        return None if _is_utf8(value) else path
-    if isinstance(value, dict):
-        if not all(_is_utf8(key) for key in value):
-            return path
-        items: Any = ((str(k), v) for k, v in value.items())
-    elif isinstance(value, list):
-        items = ((str(i), v) for i, v in enumerate(value))
-    else:
-        return None
-    for key, item in items:
-        found = first_unencodable_text(item, (*path, key))
-        if found is not None:
-            return found
-    return None
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def reject_unencodable_text(body: Any) -> None:
-    """400 naming the field whose text holds a lone surrogate, before anything reads it."""
-    path = first_unencodable_text(body)
-    if path is None:
-        return
-    field = ".".join(path) or None
-    raise bad_request(
-        f"Invalid value for '{field or 'body'}': text must be valid Unicode; it contains a "
-        "lone surrogate (such as \\ud800) that cannot be encoded as UTF-8.",
-        param=field,
-    )
 
 
 def reject_unsupported(req: OpenAIBaseModel, names: tuple[str, ...]) -> None:
@@ -237,10 +205,7 @@ def _json_schema_value(value: JsonSchemaValue | str, param: str) -> JsonSchemaVa
     """vLLM accepts a schema as an object or as JSON text."""
     if not isinstance(value, str):
         return value
-    try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        raise bad_request(f"`{param}` is not valid JSON: {exc}", param=param) from None
+    parsed = json_body.loads_field(value, param)
     if not isinstance(parsed, dict | bool):
         raise bad_request(f"`{param}` must be a JSON schema object.", param=param)
     return parsed
@@ -737,8 +702,8 @@ def _template_tool_call(call: ToolCallParam) -> dict[str, Any]:
     not a JSON object (a call the model cut short) stay the text they were."""
     arguments: Any = call.function.arguments
     try:
-        parsed = json.loads(arguments)
-    except ValueError:
+        parsed = json_body.loads(arguments)
+    except ValueError:  # not JSON, or nested past the limit: kept as the text it was
         parsed = None
     if isinstance(parsed, dict):
         arguments = parsed

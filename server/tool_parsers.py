@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from server import json_body
+
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
@@ -36,7 +38,7 @@ def _arguments(obj: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments object; ValueError when it is not an object (or a string holding one)."""
     args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
     if isinstance(args, str):
-        args = json.loads(args)  # JSONDecodeError is a ValueError
+        args = json_body.loads(args)  # not JSON, or nested past the limit: a ValueError
     if not isinstance(args, dict):
         raise ValueError(f"arguments must be a JSON object, got {type(args).__name__}")
     return args
@@ -55,7 +57,7 @@ def _call_from_object(obj: Any) -> ToolCall:
 def _call_from_block(body: str) -> ToolCall | None:
     """The call in a `<tool_call>` block's body, or None so the caller keeps the block as text."""
     try:
-        return _call_from_object(json.loads(body))
+        return _call_from_object(json_body.loads(body))
     except ValueError:
         return None
 
@@ -145,8 +147,8 @@ def parse_call_array(text: str) -> list[ToolCall]:
     ValueError naming what is wrong when the text is not such an array.
     """
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = json_body.loads(text)
+    except ValueError as exc:
         raise ValueError(f"tool calls are not valid JSON: {exc}") from exc
     if not isinstance(value, list):
         raise ValueError(f"tool calls must be a JSON array, got {type(value).__name__}")
@@ -190,6 +192,8 @@ class CallArrayStream:
                 except json.JSONDecodeError:
                     # Incomplete and malformed look alike here; under the grammar it is the former.
                     break
+                except RecursionError:  # the parser's own limit on nesting (~1,000 levels)
+                    raise ValueError("a tool call is nested too deeply to read") from None
                 calls.append(_call_from_object(obj))
                 self._state = "separator"
         return calls

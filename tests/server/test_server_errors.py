@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from server.json_body import MAX_DEPTH
 from tests.engine.tiny_models import VOCAB_SIZE as VOCAB
 from tests.server.conftest import (
     TINY_MAX_MODEL_LEN,
@@ -259,3 +261,94 @@ def test_max_seqs_per_request_must_be_positive(server):
 
     with pytest.raises(ValueError, match="max_seqs_per_request"):
         build_app(server.client, max_seqs_per_request=0)
+
+
+# ------------------------------------------------------------- nesting past the limit
+
+CHAT_DEEP = {"messages": [{"role": "user", "content": "@DEEP@"}], "max_tokens": 1}
+# (route, body with the deep value's place, the param's first part): a value nested 490-988
+# deep in any of these was a RecursionError (a 500 and ~370 KB of traceback).
+DEEP_PLACES = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "user": "@DEEP@"}, "user"),
+    ("/v1/completions", {"prompt": "@DEEP@", "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", CHAT_DEEP, "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT_DEEP, "messages": [], "tools": "@DEEP@"}, "tools"),
+    ("/tokenize", {"prompt": "@DEEP@"}, "prompt"),
+    ("/detokenize", {"tokens": "@DEEP@"}, "tokens"),
+]
+
+
+def nested(depth: int, kind: str) -> str:
+    """JSON text of a value `depth` arrays (or objects) deep; built as text, as json.dumps
+    itself would recurse."""
+    if kind == "list":
+        return "[" * depth + "]" * depth
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def with_value(body: dict, text: str) -> bytes:
+    return json.dumps(body).replace('"@DEEP@"', text).encode()
+
+
+def post_raw(http, route: str, content: bytes):
+    return http.post(route, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("kind", ["list", "object"])
+@pytest.mark.parametrize("depth", [MAX_DEPTH, 100, 500, 988, 100_000])
+@pytest.mark.parametrize(("route", "body", "field"), DEEP_PLACES)
+def test_nesting_past_the_limit_is_400_naming_the_field(server, route, body, field, depth, kind):
+    # The body's own object is a level: a value `depth` deep under it is depth + 1 deep.
+    response = post_raw(server.http(), route, with_value(body, nested(depth, kind)))
+    error = assert_openai_error(response, 400)
+    assert error["code"] == "json_too_deep", error
+    assert error["param"].startswith(field), error
+    assert f"more than {MAX_DEPTH} levels" in error["message"]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), DEEP_PLACES)
+def test_nesting_at_the_limit_goes_on_to_validation(server, route, body, field):
+    # The levels the place itself is at: the body's object, then one per step ("a.0.b": 3).
+    room = MAX_DEPTH - (field.count(".") + 1)
+    response = post_raw(server.http(), route, with_value(body, nested(room, "list")))
+    error = assert_openai_error(response, 400)  # the wrong type, not the depth
+    assert error["code"] != "json_too_deep", error
+
+
+@pytest.mark.parametrize(("route", "body", "field"), DEEP_PLACES)
+def test_nesting_100_000_deep_is_refused_within_50_ms(server, route, body, field):
+    content = with_value(body, nested(100_000, "list"))
+    with server.http() as http:
+        post_raw(http, route, content)  # the connection is open before the timing
+        times = []
+        for _ in range(3):  # the best of three: a busy machine can stall any one request
+            started = time.perf_counter()
+            assert post_raw(http, route, content).status_code == 400
+            times.append(time.perf_counter() - started)
+    assert min(times) < 0.050, times
+
+
+def test_a_deep_json_string_inside_the_body_is_400_too(server):
+    deep = nested(5_000, "list")
+    body = {"prompt": "hi", "max_tokens": 1, "guided_json": deep}
+    error = assert_openai_error(server.http().post("/v1/completions", json=body), 400)
+    assert error["param"] == "guided_json" and "more than 64 levels" in error["message"]
+    assert "recursion" not in error["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "hi"}]  # fmt: skip
+    # A call's arguments that do not parse (or nest too deep) reach the template as text.
+    response = server.http().post("/tokenize", json={"messages": messages})
+    assert response.status_code in (200, 400), response.text
+
+
+def test_malformed_json_says_where(server):
+    error = assert_openai_error(post_raw(server.http(), "/v1/completions", b'{"prompt": '), 400)
+    assert error["code"] == "invalid_json" and "line 1, column 12" in error["message"]
+    digits = b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}"
+    error = assert_openai_error(post_raw(server.http(), "/v1/completions", digits), 400)
+    assert error["code"] == "invalid_json" and "4300" in error["message"]
+    assert "sys.set_int_max_str_digits" not in error["message"]
+    not_utf8 = b'{"prompt": "\xff\xfe"}'
+    error = assert_openai_error(post_raw(server.http(), "/v1/completions", not_utf8), 400)
+    assert error["code"] == "invalid_json" and "UTF-8" in error["message"]
