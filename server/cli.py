@@ -163,8 +163,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name",
                    help="the model name clients use (default: the model's name)")  # fmt: skip
     g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default $PAGEDSERVE_API_KEY); "
-                   "/health and /metrics stay open")  # fmt: skip
+                   help="require `Authorization: Bearer KEY` or `x-api-key: KEY` (default "
+                   "$PAGEDSERVE_API_KEY); /health and /metrics stay open")  # fmt: skip
     g.add_argument("--max-waiting-requests", type=_positive_int,
                    help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
     g.add_argument("--max-request-body-bytes", type=parse_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -104,7 +105,7 @@ def model_not_found(model: str, served: str) -> OpenAIError:
 def unauthorized() -> OpenAIError:
     return OpenAIError(
         HTTPStatus.UNAUTHORIZED,
-        "Missing or incorrect API key; send `Authorization: Bearer <key>`.",
+        "Missing or incorrect API key; send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
         type=AUTHENTICATION,
         code="invalid_api_key",
     )
@@ -217,22 +218,45 @@ def _union_members(errors: list[dict[str, Any]]) -> list[str]:
     return members if len(members) > 1 else []
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_LOGGED_CHARS = 500
+
+
+def _one_line(text: str) -> str:
+    """Client text made safe for one log line: control characters escaped, length capped."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text if len(text) <= _LOGGED_CHARS else text[:_LOGGED_CHARS] + "..."
+
+
+def log_client_error(method: str, path: str, error: OpenAIError) -> None:
+    """One INFO line for an error that is the client's (a 4xx), never a traceback; a 5xx is
+    logged where it happens (a failed engine step with its traceback, `_unexpected`)."""
+    if error.status_code < 500:
+        logger.info("%s %s -> %d %s: %s", method, _one_line(path), error.status_code,
+                    error.code or error.type, _one_line(error.message))  # fmt: skip
+
+
+def _answer(request: Request, error: OpenAIError) -> JSONResponse:
+    log_client_error(request.method, request.url.path, error)
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
         if exc.status_code == HTTPStatus.NOT_FOUND:
             kind = NOT_FOUND
         err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
-        return err.response()
+        return _answer(request, err)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import threading
@@ -121,6 +122,40 @@ def running_server(
 def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
     with running_server(make_engine(tiny_model_dir)) as s:
         yield s
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_log() -> Iterator[list[logging.LogRecord]]:
+    """Every log record of this process while the test runs, the server's INFO lines and
+    uvicorn's own logger (which does not propagate to the root) included."""
+    handler = _Records()
+    targets = [logging.getLogger(), logging.getLogger("uvicorn")]
+    server_logger = logging.getLogger("server")
+    old_level = server_logger.level
+    server_logger.setLevel(logging.INFO)
+    for logger in targets:
+        logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for logger in targets:
+            logger.removeHandler(handler)
+        server_logger.setLevel(old_level)
+
+
+def tracebacks(records: list[logging.LogRecord]) -> list[str]:
+    """The records that carry a traceback, formatted."""
+    formatter = logging.Formatter()
+    return [formatter.format(r) for r in records if r.exc_info or "Traceback" in r.getMessage()]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 30, what: str = "") -> None:

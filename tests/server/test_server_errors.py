@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from tests.server.conftest import (
     assert_openai_error,
     make_engine,
     running_server,
+    tracebacks,
 )
 
 
@@ -340,6 +342,25 @@ def test_a_deep_json_string_inside_the_body_is_400_too(server):
     # A call's arguments that do not parse (or nest too deep) reach the template as text.
     response = server.http().post("/tokenize", json={"messages": messages})
     assert response.status_code in (200, 400), response.text
+
+
+def test_client_errors_log_one_line_and_no_traceback(server, server_log):
+    http = server.http()
+    statuses = [
+        post_raw(http, "/v1/completions", with_value(DEEP_PLACES[0][1], nested(900, "list"))),
+        http.post("/v1/completions", json={"prompt": "hi", "temperature": -1}),
+        http.post("/v1/completions", json={"prompt": "hi", "model": "two\nlines"}),
+        post_raw(http, "/v1/completions", b'{"prompt": '),
+        http.get("/v1/nothing-here"),
+    ]
+    assert [r.status_code for r in statuses] == [400, 400, 404, 400, 404]
+    lines = [r for r in server_log if r.name == "server.errors"]
+    assert len(lines) == len(statuses), [r.getMessage() for r in lines]
+    for record in lines:
+        assert record.levelno == logging.INFO and record.exc_info is None
+        assert "\n" not in record.getMessage()
+    assert "two\\x0alines" in lines[2].getMessage()
+    assert not tracebacks(server_log)
 
 
 def test_malformed_json_says_where(server):

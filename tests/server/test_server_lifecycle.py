@@ -19,6 +19,7 @@ from tests.server.conftest import (
     random_ids,
     running_server,
     sse_payloads,
+    tracebacks,
     wait_until,
 )
 
@@ -143,6 +144,49 @@ def test_api_key_is_required_except_for_health_and_metrics(strict_server):
     with pytest.raises(openai.AuthenticationError):
         strict_server.openai(api_key="nope").models.list()
     assert strict_server.openai(api_key=API_KEY).models.list().data[0].id == MODEL_NAME
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"bearer {API_KEY}"},  # the scheme in any case (RFC 9110 11.1)
+        {"Authorization": f"BEARER {API_KEY}"},
+        {"Authorization": f"Bearer   {API_KEY}"},
+        {"x-api-key": API_KEY},  # Anthropic's SDK
+        {"X-Api-Key": API_KEY, "Authorization": "Bearer nope"},  # either header may hold it
+    ],
+)
+def test_api_key_header_forms_are_accepted(strict_server, headers):
+    response = strict_server.http().get("/v1/models", headers=headers)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "bearer nope"},
+        {"Authorization": f"Basic {API_KEY}"},  # another scheme
+        {"Authorization": API_KEY},  # no scheme
+        {"Authorization": f"Bearer{API_KEY}"},
+        {"x-api-key": "nope"},
+        {"x-api-key": f"Bearer {API_KEY}"},
+        {"x-api-key": ""},
+    ],
+)
+def test_a_wrong_key_in_any_form_is_401(strict_server, headers):
+    response = strict_server.http().get("/v1/models", headers=headers)
+    error = assert_openai_error(response, 401)
+    assert error["code"] == "invalid_api_key" and "x-api-key" in error["message"]
+
+
+def test_a_401_and_a_413_log_one_line(strict_server, server_log):
+    http = strict_server.http()
+    assert http.get("/v1/models").status_code == 401
+    too_big = {"prompt": "x" * (BODY_LIMIT + 10), "max_tokens": 1}
+    assert http.post("/v1/completions", json=too_big, headers=AUTH).status_code == 413
+    lines = [r.getMessage() for r in server_log if r.name == "server.errors"]
+    assert len(lines) == 2 and "401" in lines[0] and "413" in lines[1], lines
+    assert not tracebacks(server_log)
 
 
 def test_body_over_the_limit_is_413(strict_server):
