@@ -111,5 +111,11 @@ def choice_grammar(choices: list[str]) -> str:
 def _compiler_message(exc: Exception) -> str:
     if isinstance(exc, ValueError):  # the schema check's, already worded for the client
         return str(exc)
+    # Python's own words ("maximum recursion depth exceeded", "std::bad_alloc") tell the
+    # client nothing about its spec; the checks before compiling should leave none of these.
+    if isinstance(exc, RecursionError):
+        return "is nested too deeply to compile"
+    if isinstance(exc, MemoryError) or "bad_alloc" in str(exc):
+        return "needs more memory to compile than this server gives one grammar"
     lines = [_LOCATION.sub("", line) for line in str(exc).strip().splitlines()]
     return " ".join(line for line in lines if line) or type(exc).__name__

@@ -216,6 +216,84 @@ def test_schema_check_follows_schemas_not_property_names():
                        "items": {"$ref": "#/$defs/a"}})  # fmt: skip
 
 
+# Schemas no JSON value matches, because their $refs never reach one without a $ref. The
+# third made xgrammar 0.2.8 allocate until the process was killed: never compile it here.
+REF_LOOPS = [
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$ref"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "#/$ref"),
+    ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},
+     "#/properties/x/$ref"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/"}}, "required": ["x"]},
+     "#/properties/x/$ref"),  # "#/" is the root to xgrammar
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "#/items/$ref"),
+    ({"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}, "#/anyOf/0/$ref"),
+    # Optional, yet a property that could be started and never finished.
+    ({"properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a"}}},
+     "#/properties/x/$ref"),
+]  # fmt: skip
+RECURSIVE_WITH_A_WAY_OUT = [
+    {"type": "object", "properties": {"v": {"type": "integer"},
+                                      "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},
+    {"$defs": {"node": {"type": "object", "required": ["v", "next"], "properties": {
+        "v": {"type": "integer"},
+        "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}},
+     "$ref": "#/$defs/node"},
+    {"type": "object", "properties": {"x": {"$ref": "#"}}},  # optional
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+    {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"$ref": "#"},
+     "minItems": 1},
+    {"$ref": "#/$defs/missing"},  # the compiler's to refuse
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "where"), REF_LOOPS)
+def test_schema_check_refuses_refs_that_never_end(schema, where):
+    with pytest.raises(ValueError, match="describes no JSON value") as info:
+        check_json_schema(schema)
+    assert f"(at {where})" in str(info.value)
+
+
+@pytest.mark.parametrize("schema", RECURSIVE_WITH_A_WAY_OUT)
+def test_schema_check_keeps_recursive_schemas_with_a_way_out(schema):
+    check_json_schema(schema)
+
+
+@pytest.mark.parametrize("schema", [False, {"properties": {"a": False}, "required": ["a"]}])
+def test_schema_check_refuses_a_schema_nothing_matches(schema):
+    with pytest.raises(ValueError, match="describes no JSON value"):
+        check_json_schema(schema)
+
+
+def items_schema(levels: int) -> dict:
+    """Arrays of arrays: `levels` JSON objects one inside another."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("levels", [65, 500, 5000])
+def test_schema_check_measures_depth_without_recursion(levels):
+    with pytest.raises(ValueError, match="nested more than 64 levels deep") as info:
+        check_json_schema(items_schema(levels))
+    assert "recursion" not in str(info.value)
+
+
+def test_schema_check_takes_a_schema_at_the_depth_limit():
+    check_json_schema(items_schema(64))
+
+
+def test_compile_errors_never_carry_pythons_own_words(grammars, monkeypatch):
+    def recurse(*_: object, **__: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded in comparison")
+
+    monkeypatch.setattr(grammars._compiler, "compile_regex", recurse)
+    with pytest.raises(GrammarError) as info:
+        grammars.compile(StructuredOutputs("regex", "never-compiled-before"))
+    assert "recursion" not in str(info.value) and "nested too deeply" in str(info.value)
+
+
 @pytest.fixture(scope="module")
 def grammars() -> GrammarCache:
     return GrammarCache(default_tokenizer(), VOCAB_SIZE, [2])

@@ -253,6 +253,91 @@ def test_bad_constraints_are_400_naming_the_field(default_server, body, param, w
     assert default_server.all_blocks_free()
 
 
+# ------------------------------------------------------------ recursive and deep schemas
+
+# A linked list: recursion with a way out (`next` may be null), inline and through $defs.
+LINKED_LIST = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
+LINKED_LIST_DEFS = {"$defs": {"node": {**LINKED_LIST, "properties": {
+    "v": LINKED_LIST["properties"]["v"],
+    "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}},
+    "$ref": "#/$defs/node"}  # fmt: skip
+# $refs that only point at each other: no JSON value matches (they answered 200, empty).
+REF_LOOPS = [
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+]
+
+
+def constrained_by(place: str, schema: Any) -> dict[str, Any]:
+    if place == "response_format":
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "s", "schema": schema}}}  # fmt: skip
+    if place == "guided_json (text)":
+        return {"guided_json": json.dumps(schema)}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+
+
+PLACES = {"response_format": "response_format.json_schema.schema",
+          "guided_json (text)": "guided_json", "tools": "tools"}  # fmt: skip
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("schema", REF_LOOPS, ids=["a-a", "a-b-a"])
+def test_refs_that_only_point_at_each_other_are_400(default_server, schema, place):
+    body = {"messages": ASK, "max_tokens": 5, **constrained_by(place, schema)}
+    response = default_server.http().post("/v1/chat/completions", json=body)
+    error = assert_openai_error(response, 400, PLACES[place])
+    assert "describes no JSON value" in error["message"], error
+    assert default_server.all_blocks_free()
+
+
+@pytest.mark.parametrize("schema", [LINKED_LIST, LINKED_LIST_DEFS], ids=["inline", "defs"])
+def test_a_recursive_schema_with_a_way_out_is_served(default_server, schema):
+    # Asked for a short list: greedy, the 135M model otherwise nests "next" until max_tokens.
+    ask = [{"role": "user", "content": 'Reply with this JSON: {"v": 1, "next": {"v": 2, '
+                                       '"next": null}}'}]  # fmt: skip
+    r = chat(default_server, messages=ask, max_tokens=100, response_format={
+        "type": "json_schema", "json_schema": {"name": "list", "schema": schema}})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    jsonschema.validate(value, schema)
+    assert value["next"] is not None  # the recursion itself was taken
+
+
+def deep_schema(levels: int) -> str:
+    """A schema of objects `levels` deep, as JSON text (json.dumps would recurse)."""
+    return (
+        '{"type": "object", "properties": {"a": ' * levels + '{"type": "integer"}' + "}}" * levels
+    )
+
+
+@pytest.mark.parametrize("levels", [100, 240, 480])
+@pytest.mark.parametrize("place", PLACES)
+def test_a_deep_schema_is_400_in_our_words(default_server, levels, place):
+    # 100 levels was Python's "maximum recursion depth exceeded", 240-480 a 500.
+    text = deep_schema(levels)
+    as_text = place == "guided_json (text)"
+    extra = {"guided_json": "@S@"} if as_text else constrained_by(place, "@S@")
+    body = json.dumps({"messages": ASK, "max_tokens": 5, **extra})
+    body = body.replace('"@S@"', json.dumps(text) if as_text else text)
+    response = default_server.http().post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    error = assert_openai_error(response, 400)
+    assert "more than 64 levels deep" in error["message"], error
+    assert error["param"].startswith(PLACES[place].split(".")[0]), error
+    assert "recursion" not in error["message"]
+
+
 # -------------------------------------------------------------- tool_choice "auto" (Hermes)
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
