@@ -314,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
         # gguf: the embedding's and the LM head's blocks (the same when tied), where kept
         self.embed_blocks: GGUFTensor | None = None
         self.head_blocks: GGUFTensor | None = None
+        self.head_ggml: tuple[list[torch.Tensor], list[int]] | None = None  # set by pack
         self.rotary = RotaryEmbedding(
             hf_config, self.head_dim, self.max_position_embeddings, dtype, device
         )
@@ -390,7 +391,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.head_blocks
         if head is not None:
             # float32 in, so float32 out: the logits are not rounded to the model dtype
-            return ggml_kernels().ggml_linear(hidden.float(), [head.blocks], [int(head.type)])
+            return ggml_kernels().ggml_linear(hidden.float(), *self.head_ggml)
         if self.tp is None:
             return project(hidden, self.lm_head, kernel=self.head_kernel).float()
         rows = self.head_rows
@@ -471,9 +472,18 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = None
         if self.head_blocks is not None:
             self.lm_head = None
+            self.head_ggml = self._pack_head(self.head_blocks)
         else:
             self.head_kernel = kernel_for(self.lm_head)
         self.decode_stack = self._build_decode_stack()
+
+    def _pack_head(self, head: GGUFTensor) -> tuple[list[torch.Tensor], list[int]]:
+        """The head's blocks as `ggml_linear` takes them, in the layout it reads fastest
+        (regrouped as a projection's); an untied head's file pages are then given back."""
+        blocks, qtype = ggml_kernels().ggml_repack(head.blocks, int(head.type), head.shape[1])
+        if qtype != int(head.type) and not self.tie_word_embeddings:
+            head.release()
+        return [blocks], [qtype]
 
     def _build_decode_stack(self) -> tuple[Any, int] | None:
         """`forward_fused`'s layers as one native object, for decode-only steps of up to as

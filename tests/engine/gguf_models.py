@@ -45,11 +45,13 @@ MIXED_LAYERS = (
     {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q4_1,
      "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q2_K},
 )  # fmt: skip
+# The (tied) embedding re-quantized to Q4_0: a head of 49,152 rows, which its kernel regroups.
+MIXED_EMBEDDING = T.Q4_0
 
 
 def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
-    """The default model's metadata, embedding and first `len(MIXED_LAYERS)` layers, each
-    projection in its `MIXED_LAYERS` type: the legacy types re-quantized from the real
+    """The default model's metadata, embedding (in `MIXED_EMBEDDING`) and first
+    `len(MIXED_LAYERS)` layers, each projection in its `MIXED_LAYERS` type: the legacy types re-quantized from the real
     weights, the K-quants random blocks (the gguf package cannot quantize them)."""
     rng = np.random.default_rng(seed)
     source = default_gguf_path()
@@ -70,6 +72,8 @@ def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
         data = np.array(table.array(info))
         qtype = MIXED_LAYERS[int(layer)].get(rest.removesuffix(".weight")) \
             if info.name.startswith("blk.") else None  # fmt: skip
+        if info.name == "token_embd.weight":
+            qtype = MIXED_EMBEDDING
         if qtype is not None and qtype != info.type:
             rows, cols = info.shape
             if qtype in (T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K):

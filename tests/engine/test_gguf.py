@@ -184,8 +184,10 @@ def test_a_mixed_gguf_serves_from_its_blocks_as_its_dequantized_weights(mixed_gg
     for name in {t.name for layer in MIXED_LAYERS for t in layer.values()} - {"Q2_K"}:
         assert f"{name} x" in summary, (name, summary)
     # The one format with no kernel is served dequantized, and the start-up line says so.
-    assert "(dequantized Q2_K) x1" in summary and "embedding Q8_0" in summary
+    assert "(dequantized Q2_K) x1" in summary and "embedding Q4_0" in summary
     assert isinstance(native.engine.model.embed_blocks.blocks, torch.Tensor)
+    # The tied head multiplies a regrouped copy; the embedding reads the file's blocks.
+    assert native.engine.model.head_ggml[1] != [int(T.Q4_0)]
 
     exact = LLM(model=str(mixed_gguf), cache_dir=str(tmp_path), num_blocks=64, dtype="float32")
     assert "projections float32 x" in exact.engine.compute_summary
