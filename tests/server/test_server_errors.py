@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 import pytest
@@ -373,3 +374,17 @@ def test_malformed_json_says_where(server):
     not_utf8 = b'{"prompt": "\xff\xfe"}'
     error = assert_openai_error(post_raw(server.http(), "/v1/completions", not_utf8), 400)
     assert error["code"] == "invalid_json" and "UTF-8" in error["message"]
+
+
+def test_malformed_http_gets_uvicorns_plain_400_and_one_line(server, server_log):
+    # Below the app: no JSON error shape is possible, and the README says so.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"NOT A REQUEST LINE\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(4096):  # uvicorn closes the connection after it
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"text/plain" in answer
+    assert answer.endswith(b"Invalid HTTP request received.")
+    assert not tracebacks(server_log)
+    assert server.http().get("/health").status_code == 200
