@@ -1,8 +1,10 @@
 """The quality gate's figures for each faster mode against the float32 reference.
 
     .venv/bin/python -m bench.quality --modes bfloat16,bfloat16+int8
+    .venv/bin/python -m bench.quality --model F.gguf --modes auto+auto,bfloat16+none
 
-For each mode (a dtype, optionally +quantization): perplexity of the default model on
+For each mode (a dtype, optionally +quantization): perplexity of the model (the default
+one, or `--model`'s, whose float32 reference is its own weights dequantized) on
 `tests/data/quality_text.txt` (and its change from float32), as a prefill and fed one
 token per step through the decode path (float32's is the same both ways, 10.6035), and
 greedy agreement with float32 on fixed chat prompts: the fraction of generated tokens
@@ -64,14 +66,16 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="bfloat16,bfloat16+int8,bfloat16+int4")
+    parser.add_argument("--model", default=None, help="a model path or GGUF (default: ours)")
     args = parser.parse_args(argv)
     print(machine_line())
-    ref_ppl, ref_tokens = measure("float32")
+    print(f"model: {args.model or 'the default'}")
+    ref_ppl, ref_tokens = measure("float32", model=args.model)
     print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
     for mode in [m for m in args.modes.split(",") if m != "float32"]:
         dtype, _, quantization = mode.partition("+")
         ppl, tokens, decode_ppl = measure(
-            dtype, decode_path=True, quantization=quantization or None
+            dtype, decode_path=True, quantization=quantization or None, model=args.model
         )
         agree = agreement_before_divergence(ref_tokens, tokens)
         print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
