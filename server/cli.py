@@ -16,8 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-
+from server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+    clamp_to_open_files,
+    raise_open_file_limit,
+    uvicorn_config,
+)
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
@@ -72,6 +81,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
     return value
 
 
@@ -176,6 +192,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
                    "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
+    g = parser.add_argument_group("connections (README, Limits)")
+    g.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open client connections; past it a new one gets a 503 and is closed "
+                   "(default %(default)s, lowered to fit the open-file limit)")  # fmt: skip
+    g.add_argument("--max-concurrent-requests", type=_positive_int,
+                   default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                   help="HTTP requests in flight; past it a 503 + Retry-After "
+                   "(default %(default)s)")  # fmt: skip
+    g.add_argument("--header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection has to send a request's headers, else it is "
+                   "closed (slowloris; default %(default)s)")  # fmt: skip
+    g.add_argument("--body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds after the headers to send the whole body, else the "
+                   "connection is closed (default %(default)s)")  # fmt: skip
+    g.add_argument("--keep-alive-timeout", type=_positive_float,
+                   default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   help="seconds an idle kept-alive connection stays open "
+                   "(default %(default)s)")  # fmt: skip
+    g = parser.add_argument_group("server")
     g.add_argument("--stats-interval", type=float, default=5.0,
                    help="seconds between stats log lines while busy")  # fmt: skip
     g.add_argument("--log-level", default="info",
@@ -246,14 +281,26 @@ def run_serve(args: argparse.Namespace) -> int:
         max_seqs_per_request=args.max_seqs_per_request,
     )
     print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    )
+    limits = clamp_to_open_files(connection_limits_from_args(args), raise_open_file_limit())
+    config = uvicorn_config(
+        app, limits, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
     GracefulServer(config, client, drain_timeout_s=args.drain_timeout).run()
     if client.died_of_failure:
         print(f"pagedserve: exiting: {client.dead_reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        max_connections=args.max_connections,
+        max_concurrent_requests=args.max_concurrent_requests,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+    )
 
 
 def startup_banner(engine: Any, served_name: str, host: str, port: int) -> str:

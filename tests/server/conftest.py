@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import EngineConfig, LLMEngine
 from server.app import build_app
 from server.async_engine import AsyncEngine
+from server.limits import ConnectionLimits, uvicorn_config
 from tests.engine.tiny_models import VOCAB_SIZE, make_tiny_model_dir
 
 MODEL_NAME = "tiny-test-model"
@@ -80,14 +81,15 @@ class RunningServer:
 
 
 class _UvicornThread:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limits: ConnectionLimits | None = None) -> None:
         # IPPROTO_TCP as uvicorn's own socket has it: asyncio sets TCP_NODELAY only on sockets
         # whose proto says TCP, and without it every response with a body waited ~40 ms
         # (Nagle's algorithm against the client's delayed ACK).
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        # The server's own protocol and limits (server/limits.py), as the CLI runs it.
+        config = uvicorn_config(app, limits, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -105,12 +107,15 @@ class _UvicornThread:
 
 @contextmanager
 def running_server(
-    engine: LLMEngine, client: AsyncEngine | None = None, **app_kwargs: Any
+    engine: LLMEngine,
+    client: AsyncEngine | None = None,
+    limits: ConnectionLimits | None = None,
+    **app_kwargs: Any,
 ) -> Iterator[RunningServer]:
     client = client or AsyncEngine(engine, log_interval_s=1.0)
     app_kwargs.setdefault("served_model_name", MODEL_NAME)
     app = build_app(client, **app_kwargs)
-    thread = _UvicornThread(app)
+    thread = _UvicornThread(app, limits)
     thread.start()
     try:
         yield RunningServer(f"http://127.0.0.1:{thread.port}", engine, client)
