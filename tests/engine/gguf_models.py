@@ -4,6 +4,7 @@ multiply, plus one they do not (Q2_K: served dequantized)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +50,38 @@ MIXED_LAYERS = (
 MIXED_EMBEDDING = T.Q4_0
 
 
+def write_requantized_gguf(path: Path, qtype: T) -> Path:
+    """The default model with every quantized weight (projections, tied embedding)
+    re-quantized to ``qtype`` from its own dequantized values: a whole real-weight model
+    in a format the default file does not hold (the gguf package quantizes the legacy
+    types only)."""
+    return _write_gguf(path, None, lambda name: qtype)
+
+
 def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
     """The default model's metadata, embedding (in `MIXED_EMBEDDING`) and first
-    `len(MIXED_LAYERS)` layers, each projection in its `MIXED_LAYERS` type: the legacy types re-quantized from the real
-    weights, the K-quants random blocks (the gguf package cannot quantize them)."""
-    rng = np.random.default_rng(seed)
+    `len(MIXED_LAYERS)` layers, each projection in its `MIXED_LAYERS` type: the legacy
+    types re-quantized from the real weights, the K-quants random blocks (the gguf
+    package cannot quantize them)."""
+
+    def mixed_type(name: str) -> T | None:
+        if name == "token_embd.weight":
+            return MIXED_EMBEDDING
+        layer, _, rest = name.removeprefix("blk.").partition(".")
+        return MIXED_LAYERS[int(layer)].get(rest.removesuffix(".weight")) \
+            if name.startswith("blk.") else None  # fmt: skip
+
+    return _write_gguf(path, len(MIXED_LAYERS), mixed_type, np.random.default_rng(seed))
+
+
+def _write_gguf(
+    path: Path,
+    layers: int | None,
+    type_of: Callable[[str], T | None],
+    rng: np.random.Generator | None = None,
+) -> Path:
+    """The default model's metadata and tensors (its first ``layers`` layers; None: all),
+    each quantized tensor in ``type_of(name)`` (None: as it is)."""
     source = default_gguf_path()
     reader = GGUFReader(source)
     arch = str(reader.fields["general.architecture"].contents())
@@ -61,19 +89,18 @@ def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        value = len(MIXED_LAYERS) if name == f"{arch}.block_count" else field.contents()
+        value = field.contents()
+        if name == f"{arch}.block_count" and layers is not None:
+            value = layers
         sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     table = GGUFFile(source)
     for info in table.tensors:
-        layer, _, rest = info.name.removeprefix("blk.").partition(".")
-        if info.name.startswith("blk.") and int(layer) >= len(MIXED_LAYERS):
+        layer, _, _ = info.name.removeprefix("blk.").partition(".")
+        if info.name.startswith("blk.") and layers is not None and int(layer) >= layers:
             continue
         data = np.array(table.array(info))
-        qtype = MIXED_LAYERS[int(layer)].get(rest.removesuffix(".weight")) \
-            if info.name.startswith("blk.") else None  # fmt: skip
-        if info.name == "token_embd.weight":
-            qtype = MIXED_EMBEDDING
+        qtype = type_of(info.name) if info.type not in (T.F32, T.F16) else None
         if qtype is not None and qtype != info.type:
             rows, cols = info.shape
             if qtype in (T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K):

@@ -23,6 +23,9 @@ and greedy chat output that follows float32's for a stated share of its tokens (
   divergence. Elsewhere activations are float32 and every call takes the int8 path:
   +0.39% and +0.87% to +1.03%, 31.0%. What costs it is quantizing activations to int8
   (llama.cpp's arithmetic), more so from bf16 values, which are rounded twice.
+* a Q4_0 file (the default model re-quantized): Q4_0, Q4_K and Q6_K blocks are regrouped
+  and take their int8 kernel at every size, prefill too: +1.78% as a prefill, +1.46%
+  through the decode path against the same weights in bf16 (over the gate, a gap).
 
 Both move with rounding alone: bf16 implementations that differ only in summation
 order (torch's ops; + the skinny GEMM; + the paged decode kernel; + the fused ops)
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from bench.quality import QUALITY_TEXT, agreement_before_divergence, measure
 from engine import LLM
@@ -43,6 +47,7 @@ from engine.kernels import cpu_kernels_supported, ggml_kernels
 from engine.loader import iter_weights
 from engine.models.linear import dequantize_int4, quantize_int4
 from engine.perplexity import perplexity
+from tests.engine.gguf_models import write_requantized_gguf
 from tests.engine.tiny_models import cache_dir, default_model_dir
 
 SMALL_KV = {"num_blocks": 256, "cache_dir": str(cache_dir())}
@@ -103,6 +108,22 @@ def test_gguf_blocks_perplexity_within_1_percent_of_the_same_weights_in_bf16(
     # reported as a gap (see the module docstring).
     assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.015, (decode_ppl, bf16_decode_ppl)
     assert agreement_before_divergence(reference[1], tokens) >= 0.25
+
+
+@pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
+def test_a_q4_0_file_regrouped_perplexity_close_to_its_weights_in_bf16(tmp_path):
+    # The default model re-quantized to Q4_0 (real weights): regrouped 8 rows at a time,
+    # every call through its int8 kernel on int8 activations, prefill included (on
+    # AVX-512 the 512-bit one), as llama.cpp computes. Measured on Zen 5 against the same
+    # weights dequantized to bf16: +1.78% as a prefill, +1.46% through the decode path.
+    # The 1% gate is NOT met (llama.cpp's own Q4_0 file of SmolLM2: -0.49% and +1.48%;
+    # its Q4_K_M: +0.93% and +0.62%): asserted at the measured level, reported as a gap.
+    gguf = write_requantized_gguf(tmp_path / "q4_0.gguf", T.Q4_0)
+    fields = {"model": str(gguf), "num_blocks": 256, "cache_dir": str(tmp_path)}
+    ppl, _, decode_ppl = measure("auto", decode_path=True, **fields)
+    bf16_ppl, _, bf16_decode_ppl = measure("bfloat16", True, quantization="none", **fields)
+    assert abs(ppl / bf16_ppl - 1) < 0.025, (ppl, bf16_ppl)
+    assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.025, (decode_ppl, bf16_decode_ppl)
 
 
 def test_perplexity_is_the_mean_nll_whatever_the_chunking(reference):
