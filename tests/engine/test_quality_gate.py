@@ -23,7 +23,7 @@ and greedy chat output that follows float32's for a stated share of its tokens (
   divergence. Elsewhere activations are float32 and every call takes the int8 path:
   +0.39% and +0.87% to +1.03%, 31.0%. What costs it is quantizing activations to int8
   (llama.cpp's arithmetic), more so from bf16 values, which are rounded twice.
-* a Q4_0 file (the default model re-quantized): Q4_0, Q4_K and Q6_K blocks are regrouped
+* a Q4_0 file (the default model re-quantized): Q4_0, Q8_0, Q4_K and Q6_K blocks are regrouped
   and take their int8 kernel at every size, prefill too: +1.78% as a prefill, +1.46%
   through the decode path against the same weights in bf16 (over the gate, a gap).
 

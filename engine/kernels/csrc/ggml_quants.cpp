@@ -2,7 +2,7 @@
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
-// Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
+// Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
 //
 // * `ggml_dequantize`: the float32 weights, computed exactly as ggml and the `gguf`
 //   package define them (same products in the same order; this file is compiled with
@@ -52,6 +52,11 @@ constexpr int64_t Q4_Kx8 = 1000 + Q4_K;
 // at 144 + 768 h the low-bit bytes ql (64 a row) interleaved 4 at a time, bytes 4k..4k+3 of
 // row r at 32 k + 4 r, and the high-bit bytes qh (32 a row) the same way 512 bytes later.
 constexpr int64_t Q6_Kx8 = 1000 + Q6_K;
+// Q8_0 too (Q8_0x8), as Q4_0x8: per block column the 8 rows' f16 d (16 bytes), then their 32
+// quant bytes interleaved 4 at a time, bytes 4j..4j+3 of row r at 16 + 32 j + 4 r, each
+// stored plus 128 (its sign bit flipped) so the integer dot product, which takes one
+// unsigned side, reads them as they are: (q + 128) . x - 128 sum x = q . x.
+constexpr int64_t Q8_0x8 = 1000 + Q8_0;
 constexpr int64_t kGroupRows = 8;
 constexpr int64_t kQ4KColumn = 1184;  // bytes per super-block column of a Q4_Kx8 group
 constexpr int64_t kQ6KColumn = 1680;  // and of a Q6_Kx8 group
@@ -74,13 +79,16 @@ Format format_of(int64_t type) {
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
+    case Q8_0x8: return {32, 34 * kGroupRows};
     case Q4_Kx8: return {256, kQ4KColumn};
     case Q6_Kx8: return {256, kQ6KColumn};
   }
   TORCH_CHECK(false, "ggml type ", type, " is not supported by pagedserve's GGUF kernels");
 }
 
-inline bool grouped(int64_t type) { return type == Q4_0x8 || type == Q4_Kx8 || type == Q6_Kx8; }
+inline bool grouped(int64_t type) {
+  return type == Q4_0x8 || type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8;
+}
 
 // Rows of weights that `w`'s first dimension holds (groups of 8 once repacked).
 int64_t rows_of(const torch::Tensor& w, int64_t type) {
@@ -209,6 +217,17 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
 // Row r (0-7) of a repacked group: each block's parts gathered back from the group first.
 void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
                           float* y) {
+  if (type == Q8_0x8) {
+    uint8_t block[34];
+    for (int64_t b = 0; b < cols / QK; ++b) {
+      const uint8_t* column = group + b * 34 * kGroupRows;
+      std::memcpy(block, column + 2 * r, 2);
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 4; ++k) block[2 + 4 * j + k] = column[16 + 32 * j + 4 * r + k] ^ 0x80;
+      dequantize_block(Q8_0, block, y + b * QK);
+    }
+    return;
+  }
   if (type == Q4_0x8) {
     uint8_t block[18];
     for (int64_t b = 0; b < cols / QK; ++b) {
@@ -580,11 +599,23 @@ inline void store8(at::BFloat16* y, __m256 v) {
   for (int i = 0; i < 8; ++i) y[i] = at::BFloat16(t[i]);
 }
 
-// Repacked Q4_0 (see Q4_0x8): MT activation rows against weight rows [n0, n1), 8 at a time.
-template <int MT, typename Out>
-void groups_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
-                     const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  const int64_t blocks = K / QK, column = 18 * kGroupRows;
+// Repacked Q4_0 or Q8_0 (see Q4_0x8, Q8_0x8): MT activation rows against weight rows
+// [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones activation bytes
+// `x_at<Q8>(j)` multiply: Q8_0's stored bytes as they are; Q4_0's low nibbles (values
+// 4j..4j+3) for j < 4, high nibbles (16 + 4j..) after.
+template <bool Q8>
+constexpr int x_at(int j) {
+  return Q8 || j < 4 ? 4 * j : 16 + 4 * (j - 4);
+}
+template <bool Q8>
+constexpr int32_t x_offset() {  // the stored values' offset: Q4_0's 8, Q8_0's 128
+  return Q8 ? 128 : 8;
+}
+
+template <bool Q8, int MT, typename Out>
+void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                       const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  const int64_t blocks = K / QK, column = (Q8 ? 34 : 18) * kGroupRows;
   const __m256i low = _mm256_set1_epi8(0xF);
   for (int64_t n = n0; n < n1; n += kGroupRows) {
     const uint8_t* group = w + (n / kGroupRows) * group_bytes;
@@ -592,23 +623,23 @@ void groups_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* c = group + b * column;
-      _mm_prefetch((const char*)(c + 4 * column), _MM_HINT_T0);
-      _mm_prefetch((const char*)(c + 4 * column + 64), _MM_HINT_T0);
-      _mm_prefetch((const char*)(c + 4 * column + 128), _MM_HINT_T0);
+      for (int64_t k = 0; k < column; k += 64)
+        _mm_prefetch((const char*)(c + 4 * column + k), _MM_HINT_T0);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
-      __m256i u[8];  // u[j]: values 4j..4j+3 of each row; u[4 + j]: values 16 + 4j..
-      for (int j = 0; j < 4; ++j) {
+      __m256i u[8];
+      for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
         const __m256i v = load32(c + 16 + 32 * j);
-        u[j] = _mm256_and_si256(v, low);
-        u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (Q8) {
+          u[j] = v;
+        } else {
+          u[j] = _mm256_and_si256(v, low);
+          u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
       }
       for (int m = 0; m < MT; ++m) {
         const XBlock* xb = x + m * xstride + b;
-        __m256i sum = _mm256_set1_epi32(-8 * xb->qsum);  // (q - 8) . x = q . x - 8 sum x
-        for (int j = 0; j < 4; ++j) {
-          sum = dot4_add(sum, u[j], broadcast4(xb->q + 4 * j));
-          sum = dot4_add(sum, u[4 + j], broadcast4(xb->q + 16 + 4 * j));
-        }
+        __m256i sum = _mm256_set1_epi32(-x_offset<Q8>() * xb->qsum);  // (q - o) . x
+        for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<Q8>(j)));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                  _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[m]);
       }
@@ -617,7 +648,7 @@ void groups_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
   }
 }
 
-// Repacked Q4_K (see Q4_Kx8), as groups_dot_q4_0: one int32 sum per row and sub-block from
+// Repacked Q4_K (see Q4_Kx8), as groups_dot_legacy: one int32 sum per row and sub-block from
 // integer dots, times the row's scale for that sub-block (an int32 multiply per 8 rows),
 // summed over the super-block; the mins against the activations' sums of 32 by int16
 // multiply-adds; two float multiplies per super-block for 8 rows.
@@ -894,10 +925,10 @@ void pairs_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n
   if (n < n1) groups_dot_q6_k<MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
 }
 
-template <int MT, typename Out>
-void pairs_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
-                    const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  const int64_t blocks = K / QK, column = 18 * kGroupRows;
+template <bool Q8, int MT, typename Out>
+void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                      const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  const int64_t blocks = K / QK, column = (Q8 ? 34 : 18) * kGroupRows;
   const __m512i low = _mm512_set1_epi8(0xF);
   int64_t n = n0;
   for (; n + 2 * kGroupRows <= n1; n += 2 * kGroupRows) {
@@ -910,18 +941,22 @@ void pairs_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n
       const uint8_t* c1 = g1 + b * column;
       prefetch_pair(c0, c1, column);
       const __m512 d = f16_pair(c0, c1);
-      __m512i u[8];  // u[j]: values 4j..4j+3 of each row; u[4 + j]: values 16 + 4j..
-      for (int j = 0; j < 4; ++j) {
+      __m512i u[8];  // as groups_dot_legacy's
+      for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
         const __m512i v = load_pair(c0 + 16 + 32 * j, c1 + 16 + 32 * j);
-        u[j] = _mm512_and_si512(v, low);
-        u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (Q8) {
+          u[j] = v;
+        } else {
+          u[j] = _mm512_and_si512(v, low);
+          u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
       }
       for (int m = 0; m < MT; ++m) {
         const XBlock* xb = x + m * xstride + b;
-        __m512i sum = _mm512_set1_epi32(-8 * xb->qsum);  // (q - 8) . x = q . x - 8 sum x
+        __m512i sum = _mm512_set1_epi32(-x_offset<Q8>() * xb->qsum);
         for (int j = 0; j < 8; ++j) {
           int32_t q;
-          std::memcpy(&q, xb->q + (j < 4 ? 4 * j : 16 + 4 * (j - 4)), 4);
+          std::memcpy(&q, xb->q + x_at<Q8>(j), 4);
           sum = _mm512_dpbusd_epi32(sum, u[j], _mm512_set1_epi32(q));
         }
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
@@ -930,7 +965,7 @@ void pairs_dot_q4_0(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n
     }
     for (int m = 0; m < MT; ++m) store16(y + m * ldy + n, acc[m]);
   }
-  if (n < n1) groups_dot_q4_0<MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
+  if (n < n1) groups_dot_legacy<Q8, MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
 }
 #endif
 
@@ -975,7 +1010,7 @@ void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a
 template <typename Out>
 void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, Out* y, int64_t ldy) {
-  const int64_t xstride = K / (s.type == Q4_0x8 ? QK : QKK);
+  const int64_t xstride = K / (s.type == Q4_0x8 || s.type == Q8_0x8 ? QK : QKK);
   int64_t m = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   // Tiles of 4-8 rows by pairs of groups; under 4 rows (decode) 8 lanes wide is faster:
@@ -984,9 +1019,10 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
     Out* o = y + s.col0 + m * ldy;
     const XBlock* x = a.x32.data() + m * xstride;
     const XBlockK* xk = a.x256.data() + m * xstride;
-#define PAIRS(MT)                                                                      \
-  s.type == Q4_0x8   ? pairs_dot_q4_0<MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
-  : s.type == Q4_Kx8 ? pairs_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy) \
+#define PAIRS(MT)                                                                              \
+  s.type == Q4_0x8   ? pairs_dot_legacy<false, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q8_0x8 ? pairs_dot_legacy<true, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
+  : s.type == Q4_Kx8 ? pairs_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : pairs_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
     switch (std::min<int64_t>(8, M - m)) {
       case 4: PAIRS(4); break;
@@ -1002,9 +1038,10 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
     const XBlock* x = a.x32.data() + m * xstride;
     const XBlockK* xk = a.x256.data() + m * xstride;
     Out* o = y + s.col0 + m * ldy;
-#define GROUPS(MT)                                                                     \
-  s.type == Q4_0x8   ? groups_dot_q4_0<MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
-  : s.type == Q4_Kx8 ? groups_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy) \
+#define GROUPS(MT)                                                                              \
+  s.type == Q4_0x8   ? groups_dot_legacy<false, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q8_0x8 ? groups_dot_legacy<true, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
+  : s.type == Q4_Kx8 ? groups_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : groups_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
     switch (std::min<int64_t>(kTile, M - m)) {
       case 1: GROUPS(1); break;
@@ -1021,6 +1058,7 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
                  int64_t K, Out* y, int64_t ldy) {
   switch (s.type) {
     case Q4_0x8:
+    case Q8_0x8:
     case Q4_Kx8:
     case Q6_Kx8: return group_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
@@ -1141,6 +1179,19 @@ void repack_q4_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
   }
 }
 
+void repack_q8_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  constexpr int64_t column = 34 * kGroupRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * column;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 34;
+      std::memcpy(c + 2 * r, block, 2);
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 4; ++k) c[16 + 32 * j + 4 * r + k] = block[2 + 4 * j + k] ^ 0x80;
+    }
+  }
+}
+
 void repack_q4_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
   uint8_t sm[16];
   for (int64_t b = 0; b < blocks; ++b) {
@@ -1179,11 +1230,12 @@ void repack_q6_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
 }  // namespace
 
 // A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0 and
-// Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q4_Kx8, Q6_Kx8); anything else as
-// it is.
+// Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q8_0x8, Q4_Kx8, Q6_Kx8);
+// anything else as it is.
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols) {
   check_blocks(w, type, cols);
-  if ((type != Q4_0 && type != Q4_K && type != Q6_K) || w.size(0) % kGroupRows) return {w, type};
+  const bool regroups = type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
   const int64_t groups = w.size(0) / kGroupRows, blocks = cols / f.block_values;
@@ -1194,6 +1246,7 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       (type == Q4_0   ? repack_q4_0
+       : type == Q8_0 ? repack_q8_0
        : type == Q4_K ? repack_q4_k
                       : repack_q6_k)(src, stride, blocks, dst + g * group_bytes, g);
   });
