@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 CACHE_ENV = "PAGEDSERVE_CACHE"
 SOURCE_FILE = "pagedserve_source.json"  # written last into a converted dir: where it came from
 _TMP_PREFIX = ".tmp-"
+# A conversion takes seconds: a temporary directory a day old is stale whoever owns its PID.
+STALE_TMP_AGE_S = 24 * 3600
 _HASH_CHUNK = 1 << 22
 
 
@@ -147,10 +150,12 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | No
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
     sha256 = gguf_fingerprint(gguf_path)
     target = converted_dir_for(gguf_path, cache_dir, sha256)
+    # Every start, converted or not: a start killed mid-conversion leaves its temporary
+    # directory even when another process (or a later start) then finished the conversion.
+    _remove_stale_tmp_dirs(target.parent)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
         _write_gguf_metadata_dir(gguf_path, tmp)
@@ -219,11 +224,24 @@ def _apply_umask(directory: Path) -> None:
 
 
 def _remove_stale_tmp_dirs(models_dir: Path) -> None:
-    """Drop temporary directories left by conversions whose process died."""
+    """Drop temporary directories left by conversions whose process died, or that are older
+    than any conversion takes: their PID may since belong to another process (or, with the
+    cache on a volume shared by containers, to a process in another PID namespace)."""
+    if not models_dir.is_dir():
+        return
     for tmp in models_dir.glob(f"{_TMP_PREFIX}*"):
         pid_text = tmp.name[len(_TMP_PREFIX) :].partition("-")[0]
-        if pid_text.isdigit() and not _process_alive(int(pid_text)):
+        if not pid_text.isdigit():
+            continue
+        if not _process_alive(int(pid_text)) or _age_s(tmp) > STALE_TMP_AGE_S:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0  # gone already
 
 
 def _process_alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,25 @@ def test_temp_dirs_of_dead_conversions_are_removed(monkeypatch, tmp_path, fake_g
     monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter())
     convert_gguf(fake_gguf, tmp_path / "cache")
     assert not dead.exists() and alive.exists()
+
+
+def test_stale_temp_dirs_are_removed_even_when_the_model_is_cached(
+    monkeypatch, tmp_path, fake_gguf
+):
+    # A first start killed mid-conversion, then a conversion that finished: the next start
+    # converts nothing and must still clear the leftovers.
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", FakeConverter())
+    target = convert_gguf(fake_gguf, tmp_path / "cache")
+    dead = target.parent / ".tmp-999999999-abc"
+    reused = target.parent / f".tmp-{os.getppid()}-old"  # a live PID, but a day old
+    fresh = target.parent / f".tmp-{os.getppid()}-new"  # a live PID converting now
+    for path in (dead, reused, fresh):
+        path.mkdir()
+    day_ago = time.time() - loader.STALE_TMP_AGE_S - 60
+    os.utime(reused, (day_ago, day_ago))
+    monkeypatch.setattr(loader, "_write_gguf_metadata_dir", _no_conversion)
+    assert convert_gguf(fake_gguf, tmp_path / "cache") == target
+    assert not dead.exists() and not reused.exists() and fresh.exists()
 
 
 def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path, fake_gguf):
