@@ -72,9 +72,16 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir):
         assert "draining 1 request(s)" in output and "Traceback" not in output
 
 
+AT_EXIT = """
+    import atexit
+    atexit.register(lambda: print("atexit handler ran", flush=True))
+"""
+
+
 def test_drain_timeout_aborts_the_rest_cleanly_and_exits_0(tiny_model_dir):
     args = ["--model", str(tiny_model_dir), "--drain-timeout", "0.5", *ENGINE_FLAGS]
-    with serve_process(args) as (proc, url):
+    # The exit skips the interpreter's teardown (server/cli.py), not the atexit handlers.
+    with serve_process(args, AT_EXIT) as (proc, url):
         # 1,000 decode steps take seconds: the drain timeout ends the request.
         body = long_body(1203, 1000)
         with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -85,7 +92,9 @@ def test_drain_timeout_aborts_the_rest_cleanly_and_exits_0(tiny_model_dir):
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "server_shutdown"
         assert proc.wait(timeout=60) == 0
-        assert "drain timeout: aborting 1 request(s)" in proc.stdout.read()
+        output = proc.stdout.read()
+        assert "drain timeout: aborting 1 request(s)" in output
+        assert "atexit handler ran" in output
 
 
 BROKEN_RUNNER = """
