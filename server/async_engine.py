@@ -30,16 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import RequestOutput, SamplingParams, StepError
+from server.grammar_compiler import GrammarCompiler
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
 
 logger = logging.getLogger(__name__)
@@ -172,9 +171,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._times: dict[str, RequestTimes] = {}
         # Grammars compile here, never on the engine thread (see `compile_grammar`).
-        self._compile_pool = ThreadPoolExecutor(
-            1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority
-        )
+        self._compiler = GrammarCompiler()
 
     @classmethod
     def load(cls, build: Callable[[], Any], **kwargs: Any) -> AsyncEngine:
@@ -256,7 +253,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         structured = getattr(self.engine, "structured_outputs", None)
         if structured is not None:  # build the grammar backend before the first request needs it
-            self._compile_pool.submit(lambda: structured.grammars)
+            self._compiler.submit(lambda: structured.grammars)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -284,7 +281,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self.begin_shutdown()
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown()
         if self._loop is None:  # never started: a thread from `load` waits, as a daemon
             return
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -318,8 +315,7 @@ class AsyncEngine:
         with the compiler's message) when the spec cannot be compiled.
         """
         structured = self.engine.structured_outputs
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._compile_pool, structured.compile, spec)
+        result = await self._compiler.run(structured.compile, spec)
         self.metrics.on_grammar(result.cache_hit, result.seconds)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -546,20 +542,6 @@ class AsyncEngine:
         # RuntimeError: the loop closed between the check and the call.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(fn, *args)
-
-
-def _lower_thread_priority() -> None:
-    """Let the compile thread run only on a core nothing else wants (Linux's SCHED_IDLE,
-    per thread, inherited by the threads it starts). A step's OpenMP threads wait at a
-    barrier for the slowest of them, so a compile that takes a core's time slice now and
-    then slows every step: measured on 2 cores, the p99 inter-token latency of running
-    streams rose 1.86x while large schemas compiled at nice 10."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):  # not Linux: at least a lower priority
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 class _EngineBroken(RuntimeError):
