@@ -27,6 +27,21 @@ OPENMP_DEFAULTS_SET = {
 }
 os.environ.update(OPENMP_DEFAULTS_SET)
 
+# oneDNN keeps a compiled primitive per GEMM shape, and torch's mkldnn matmul (ideep)
+# another cache of them, each up to 1,024 entries by default: a bf16 prefill is a GEMM
+# with M = its token count, so every new prompt length added entries of ~0.5 MB until
+# both were full. Server RSS grew 993 / 1,197 / 1,406 / 1,538 / 1,592 MiB over 5 rounds
+# of 120 prompts of 1-700 words (bench/rss_rounds.py); in-process, glibc's in-use bytes
+# grew 70 MB a round, and with both caches small they stayed at 142 MB and RSS flat
+# (790 / 773 / 773 MiB). Decode batches of 1-4 rows take the native kernels, so a few
+# dozen entries hold every shape that repeats. Read when oneDNN/ideep first use them.
+MATMUL_CACHE_DEFAULTS_SET = {
+    key: value
+    for key, value in {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}.items()
+    if key not in os.environ
+}
+os.environ.update(MATMUL_CACHE_DEFAULTS_SET)
+
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import RequestOutput, SamplingParams, StepError
+from engine.memory import release_free_memory
 from server.grammar_compiler import GrammarCompiler
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
 
@@ -348,6 +349,8 @@ class AsyncEngine:
             while self._handle_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    if not self.engine.has_unfinished_requests():
+                        release_free_memory()  # once per busy period: engine/memory.py
                 else:
                     self._refresh_idle_gauges()
         except _EngineBroken as exc:  # each failed step was logged with its traceback

@@ -360,3 +360,17 @@ def test_load_raises_what_building_the_engine_raised():
 
     with pytest.raises(ValueError, match="nope"):
         AsyncEngine.load(build)
+
+
+def test_free_memory_is_released_when_the_engine_goes_idle(tiny_model_dir, monkeypatch):
+    # Issue 29, item 4: without this, RSS grew ~100 MB a round of varied prompt lengths.
+    calls = []
+    monkeypatch.setattr("server.async_engine.release_free_memory", lambda: calls.append(1))
+    engine = make_engine(tiny_model_dir, num_blocks=128)
+    with running_server(engine) as server:
+        http = server.http()
+        ok = http.post("/v1/completions", json={"prompt": random_ids(7, 8), "max_tokens": 3})
+        assert ok.status_code == 200
+        wait_until(lambda: calls, 30, "no release after the request finished")
+        assert len(calls) == 1  # once per busy period, not per step
+        assert not server.client.num_in_flight
