@@ -1,10 +1,11 @@
 """Giving the C heap's free pages back to the system when the engine goes idle.
 
-Prompts of many lengths leave glibc's arenas (one per thread that allocates: the engine
-thread, OpenMP workers, the event loop) holding freed prefill-sized buffers that the next
-busy period cannot always reuse, so RSS grew round after round (issue 29, item 4; measured
-with `python -m bench.rss_rounds`). `malloc_trim(0)` returns those pages; it costs about a
-millisecond, so it runs once per busy period, when the engine has nothing left to do.
+glibc keeps freed memory in its arenas (one per thread that allocates: the engine thread,
+OpenMP workers, the event loop) and rarely returns it. With prompts of many lengths that
+held RSS up: `python -m bench.rss_rounds` (issue 29, item 4) grew +396 MiB from round 2
+to 5, and +263 MiB with only a `malloc_trim(0)` every 0.5 s; the rest was the matmul
+shape caches bounded in engine/__init__.py. The server calls this once per busy period,
+when the engine has nothing left to do (its cost was not measured separately).
 """
 
 from __future__ import annotations
