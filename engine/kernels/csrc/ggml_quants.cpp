@@ -612,6 +612,15 @@ constexpr int32_t x_offset() {  // the stored values' offset: Q4_0's 8, Q8_0's 1
   return Q8 ? 128 : 8;
 }
 
+// Without VNNI the integer dot is maddubs, whose int16 pair sums saturate: Q8_0's bytes
+// stored plus 128 reach 2 * 255 * 127. There they are taken back to signed values and
+// multiplied by the sign trick (|q| . sign(x, q)), whose pairs stay within 2 * 128 * 127.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kSignedQ8 = false;
+#else
+constexpr bool kSignedQ8 = true;
+#endif
+
 template <bool Q8, int MT, typename Out>
 void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                        const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
@@ -626,10 +635,15 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
       for (int64_t k = 0; k < column; k += 64)
         _mm_prefetch((const char*)(c + 4 * column + k), _MM_HINT_T0);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
-      __m256i u[8];
+      constexpr bool signed_q = Q8 && kSignedQ8;
+      __m256i u[8];  // signed_q: the values' magnitudes, with their signs in q[]
+      __m256i q[signed_q ? 8 : 1];
       for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
         const __m256i v = load32(c + 16 + 32 * j);
-        if (Q8) {
+        if constexpr (signed_q) {
+          q[j] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+          u[j] = _mm256_abs_epi8(q[j]);
+        } else if (Q8) {
           u[j] = v;
         } else {
           u[j] = _mm256_and_si256(v, low);
@@ -638,8 +652,15 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
       }
       for (int m = 0; m < MT; ++m) {
         const XBlock* xb = x + m * xstride + b;
-        __m256i sum = _mm256_set1_epi32(-x_offset<Q8>() * xb->qsum);  // (q - o) . x
-        for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<Q8>(j)));
+        __m256i sum;
+        if constexpr (signed_q) {
+          sum = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j)
+            sum = _mm256_add_epi32(sum, dot_us(u[j], _mm256_sign_epi8(broadcast4(xb->q + 4 * j), q[j])));
+        } else {
+          sum = _mm256_set1_epi32(-x_offset<Q8>() * xb->qsum);  // (q - o) . x
+          for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<Q8>(j)));
+        }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                  _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[m]);
       }
