@@ -6,7 +6,8 @@ no C++ compiler): callers then use torch's own ops, which are always correct. Th
 engine.kernels``) lands in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``, under a name keyed by the environment: two virtualenvs
 sharing that cache would otherwise rebuild it in turn, each build waiting on the other's
-lock.
+lock. A build killed half-way (SIGKILL, power loss) leaves nothing that blocks or breaks the
+next start: see `_build_lock` and `_drop_unverified`.
 
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
@@ -27,9 +28,15 @@ not AVX512-BF16 a build of `csrc/ggml_quants.cpp` alone.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import logging
+import os
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -81,21 +88,74 @@ GGML_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _GGML_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
 
 
-def _build(name: str, sources: list[str], cflags: list[str]) -> ModuleType | None:
-    """Compile (once, cached by torch) and load an extension; None where that fails."""
-    try:
-        from torch.utils.cpp_extension import load
+def build_dir(name: str) -> Path:
+    """Where torch builds extension `name`: $TORCH_EXTENSIONS_DIR, else torch's cache root."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-        env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
-        return load(
-            name=f"{name}_{env}",
-            sources=[str(CSRC / source) for source in sources],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-        )
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+
+
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Held around a build and load. torch's own lock is a file that its builder removes
+    when done, so a build killed half-way leaves it behind and every later start waits on
+    it forever. This flock dies with its holder; every build of ours takes it first, so a
+    torch lock file found under it is such a leftover, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "pagedserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+def _build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | None:
+    """Compile (once, cached by torch) and load an extension; None where that fails."""
+    from torch.utils.cpp_extension import load
+
+    env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+    full_name = f"{name}_{env}"
+    directory = build_dir(full_name)
+    try:
+        with _build_lock(directory):
+            _drop_unverified(directory)
+            module = load(name=full_name, sources=[str(s) for s in sources],
+                          extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                          build_directory=str(directory))  # fmt: skip
+            _record_libraries(directory)
+            return module
     except Exception as exc:  # no compiler, headers, ninja...: torch's ops still work
         logger.warning("CPU kernels %s unavailable, using torch's ops: %s", name, exc)
         return None
+
+
+# The checksums of the libraries that loaded: one torn on disk (power lost after the build
+# was logged as done) would otherwise be taken as up to date, and loading it can crash.
+_CHECKSUMS = "pagedserve.sha256.json"
+
+
+def _libraries(directory: Path) -> dict[str, str]:
+    return {lib.name: hashlib.sha256(lib.read_bytes()).hexdigest()
+            for lib in sorted(directory.glob("*.so"))}  # fmt: skip
+
+
+def _drop_unverified(directory: Path) -> None:
+    """Empties the build directory if a library in it is not one that loaded before."""
+    try:
+        known = json.loads((directory / _CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        known = {}
+    if any(known.get(lib) != digest for lib, digest in _libraries(directory).items()):
+        logger.warning("CPU kernels in %s do not match what was built: building them again",
+                       directory)  # fmt: skip
+        for entry in directory.iterdir():
+            if entry.name != "pagedserve.flock":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def _record_libraries(directory: Path) -> None:
+    tmp = directory / f"{_CHECKSUMS}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(_libraries(directory)))
+    tmp.replace(directory / _CHECKSUMS)
 
 
 @lru_cache(maxsize=1)
@@ -107,7 +167,8 @@ def ggml_kernels() -> ModuleType | None:
         return kernels
     if not cpu_flags() >= GGML_KERNEL_FLAGS:
         return None
-    return _build("pagedserve_ggml_kernels", ["ggml_quants.cpp", "ggml_bindings.cpp"], _GGML_CFLAGS)
+    sources = [CSRC / "ggml_quants.cpp", CSRC / "ggml_bindings.cpp"]
+    return _build("pagedserve_ggml_kernels", sources, _GGML_CFLAGS)
 
 
 @lru_cache(maxsize=1)
@@ -115,7 +176,8 @@ def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None (then torch's ops serve, and a warning says why)."""
     if not cpu_kernels_supported():
         return None
-    return _build("pagedserve_cpu_kernels", list(SOURCES), [*_GGML_CFLAGS, *_ISA_CFLAGS])
+    sources = [CSRC / source for source in SOURCES]
+    return _build("pagedserve_cpu_kernels", sources, [*_GGML_CFLAGS, *_ISA_CFLAGS])
 
 
 def host_kernels(device: torch.device | str) -> ModuleType | None:

@@ -1,0 +1,92 @@
+"""The kernels' build survives being killed: a build SIGKILLed half-way, or a library torn
+on disk, never blocks or breaks the next start (issue 29, faults).
+
+A tiny extension stands in for the real kernels (pybind11 alone compiles in seconds); it
+goes through the same `_build` as they do, in a TORCH_EXTENSIONS_DIR of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import kernels
+
+TINY_SOURCE = textwrap.dedent("""
+    #include <pybind11/pybind11.h>
+    int answer() { return 42; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+""")
+# Run in a child: builds the tiny extension and prints what it answers.
+BUILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from engine.kernels import _build
+    module = _build("pagedserve_tiny", [Path(sys.argv[1])], ["-O0"])
+    print("answer", module.answer() if module is not None else None, flush=True)
+""")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child(source: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILD, str(source)], cwd=REPO, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def _answer(source: Path, env: dict[str, str], timeout_s: float = 240) -> str:
+    child = _child(source, env)
+    try:
+        out, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        pytest.fail(f"the build did not finish in {timeout_s:.0f} s: it waits on a stale lock")
+    assert child.returncode == 0, out
+    return out.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_SOURCE)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    return source, env
+
+
+def test_a_build_killed_half_way_does_not_block_the_next(tiny):
+    source, env = tiny
+    child = _child(source, env)
+    deadline = time.monotonic() + 120
+    build = None
+    while time.monotonic() < deadline and child.poll() is None:
+        found = list((Path(env["TORCH_EXTENSIONS_DIR"])).glob("pagedserve_tiny_*/lock"))
+        if found:
+            build = found[0].parent
+            break
+        time.sleep(0.01)
+    assert build is not None, "the child never took torch's build lock"
+    time.sleep(0.5)  # into the compile
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert (build / "lock").exists(), "the kill came too late to leave torch's lock behind"
+    assert _answer(source, env) == "answer 42"
+
+
+def test_a_torn_library_is_built_again(tiny):
+    source, env = tiny
+    assert _answer(source, env) == "answer 42"
+    [library] = Path(env["TORCH_EXTENSIONS_DIR"]).glob("pagedserve_tiny_*/*.so")
+    library.write_bytes(library.read_bytes()[:4096])  # cut short, and newer than its source
+    assert _answer(source, env) == "answer 42"
+
+
+def test_the_build_dir_follows_torch_extensions_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert kernels.build_dir("x") == tmp_path / "x"
