@@ -23,8 +23,11 @@ from tests.server.test_server_cli import ENGINE_FLAGS, REPO, _healthy, free_port
 
 
 @contextmanager
-def serve_process(args: list[str], code: str = "") -> Iterator[tuple[subprocess.Popen, str]]:
-    """`pagedserve serve ARGS` in a child process (after running `code`, a test-only patch)."""
+def serve_process(
+    args: list[str], code: str = "", env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`pagedserve serve ARGS` in a child process (after running `code`, a test-only patch;
+    `env` added to the environment)."""
     port = free_port()
     script = textwrap.dedent(code) + textwrap.dedent(f"""
         import sys
@@ -32,7 +35,7 @@ def serve_process(args: list[str], code: str = "") -> Iterator[tuple[subprocess.
         sys.exit(main(["serve", "--port", "{port}", "--log-level", "info", *{args!r}]))
     """)
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
