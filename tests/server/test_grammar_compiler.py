@@ -21,7 +21,9 @@ def _policy() -> tuple[int, int]:
 
 
 def test_compiles_run_idle_and_a_long_wait_promotes_until_none_is_left():
-    compiler = GrammarCompiler(promote_after_s=0.05)
+    # The quick compiles get a delay no busy machine reaches: an idle thread waits for a
+    # free core, and one that waited past the delay is promoted, as it should be.
+    compiler = GrammarCompiler(promote_after_s=3600)
 
     def slow() -> tuple[int, int]:
         time.sleep(0.3)  # past the promotion delay
@@ -29,7 +31,9 @@ def test_compiles_run_idle_and_a_long_wait_promotes_until_none_is_left():
 
     async def main() -> list[tuple[int, int]]:
         quick = await compiler.run(_policy)
+        compiler.promote_after_s = 0.05
         during = await compiler.run(slow)
+        compiler.promote_after_s = 3600
         after = await compiler.run(_policy)
         return [quick, during, after]
 
