@@ -69,11 +69,12 @@ needs_kernels = pytest.mark.skipif(
 )  # fmt: skip
 def test_bfloat16_modes_perplexity_within_1_percent_and_greedy_agreement(reference, quantization):
     ref_ppl, ref_tokens = reference
-    ppl, tokens, decode_ppl = measure(
-        "bfloat16", decode_path=True, quantization=quantization, **SMALL_KV
+    # The decode path runs other code than the prefill only where the kernels do.
+    ppl, tokens, *decode_ppl = measure(
+        "bfloat16", decode_path=cpu_kernels_supported(), quantization=quantization, **SMALL_KV
     )
-    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert abs(decode_ppl / ref_ppl - 1) < 0.01, (decode_ppl, ref_ppl)
+    for value in (ppl, *decode_ppl):
+        assert abs(value / ref_ppl - 1) < 0.01, (value, ref_ppl)
     assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
 
 
@@ -88,9 +89,24 @@ def test_the_default_models_projections_quantize_to_int4_bit_for_bit():
         assert torch.equal(dequantize_int4(*quantize_int4(w)), w)
 
 
+def same_weights(**fields) -> tuple[float, float]:
+    """(as a prefill, through the decode path): the perplexity of a model's weights
+    dequantized, at the precision `auto`'s activations have on this CPU. bf16 where
+    pagedserve's kernels run (AVX512-BF16); elsewhere float32, which is what the GGUF
+    path's activations are there (bf16 would be torch's emulation, minutes for the text),
+    and whose two figures are equal (tested below)."""
+    if cpu_kernels_supported():
+        ppl, _, decode_ppl = measure("bfloat16", True, quantization="none", **fields)
+        return ppl, decode_ppl
+    ppl, _ = measure("float32", quantization="none", **fields)
+    return ppl, ppl
+
+
 @pytest.fixture(scope="module")
-def bf16_dequantized():
-    return measure("bfloat16", decode_path=True, quantization="none", **SMALL_KV)
+def bf16_dequantized(reference):
+    if not cpu_kernels_supported():  # `reference` is these weights in float32 already
+        return reference[0], reference[0]
+    return same_weights(**SMALL_KV)
 
 
 @pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
@@ -100,7 +116,7 @@ def test_gguf_blocks_perplexity_within_1_percent_of_the_same_weights_in_bf16(
     # The default start: the GGUF's own Q4_1/Q8_0 blocks through the GGUF kernels on
     # int8 activations (bf16 between them on AVX512-BF16 CPUs, else float32).
     ppl, tokens, decode_ppl = measure("auto", decode_path=True, **SMALL_KV)
-    bf16_ppl, _, bf16_decode_ppl = bf16_dequantized
+    bf16_ppl, bf16_decode_ppl = bf16_dequantized
     assert abs(ppl / bf16_ppl - 1) < 0.01, (ppl, bf16_ppl)
     # Through the decode path the gate's 1% is NOT met: +1.17% with bf16 activations
     # (+0.87% to +1.03% with float32 ones, which move with summation order alone: int8
@@ -121,7 +137,7 @@ def test_a_q4_0_file_regrouped_perplexity_close_to_its_weights_in_bf16(tmp_path)
     gguf = write_requantized_gguf(tmp_path / "q4_0.gguf", T.Q4_0)
     fields = {"model": str(gguf), "num_blocks": 256, "cache_dir": str(tmp_path)}
     ppl, _, decode_ppl = measure("auto", decode_path=True, **fields)
-    bf16_ppl, _, bf16_decode_ppl = measure("bfloat16", True, quantization="none", **fields)
+    bf16_ppl, bf16_decode_ppl = same_weights(**fields)
     assert abs(ppl / bf16_ppl - 1) < 0.025, (ppl, bf16_ppl)
     assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.025, (decode_ppl, bf16_decode_ppl)
 
