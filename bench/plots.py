@@ -71,6 +71,20 @@ def plot_sweep(
     return _save(fig, plt, path)
 
 
+def plot_rss(samples: Sequence[tuple[float, float]], path: Path, title: str) -> Path:
+    """A server's RSS (MiB) against minutes since the load began."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([t / 60 for t, _ in samples], [r for _, r in samples], marker=".")
+    ax.set_xlabel("minutes under load")
+    ax.set_ylabel("server RSS (MiB)")
+    top = max((r for _, r in samples), default=1.0)
+    ax.set_ylim(0, top * 1.15)  # from zero, so a flat line looks flat
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title)
+    return _save(fig, plt, path)
+
+
 def _plain_ticks(axis: Any) -> None:
     """Log-scale ticks at 1-2-5 steps as plain numbers (200, 500, 1000)."""
     from matplotlib.ticker import FuncFormatter, LogLocator

@@ -9,6 +9,10 @@ uniform 1-700 words and `max_tokens` uniform 1-8, drawn from `--seed` (every run
 round sends different prompts, the same run to run). After each round it prints the VmRSS
 of the server's process tree in MiB; at the end, the growth from round 2 to the last.
 Issue 29's goal: under 20 MB. Each request has a timeout, and the whole run `--timeout`.
+
+As a soak, `--minutes 30 --plot rss.png`: rounds until that many minutes have passed, the
+RSS also sampled every `--sample-every` seconds while the load runs, printed as a table
+and plotted (matplotlib, the `bench` extra).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +59,28 @@ def tree_rss_mib(pid: int) -> float:
         children = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True)
         pids.extend(int(c) for c in children.stdout.split())
     return total_kib / 1024
+
+
+class RssSampler(threading.Thread):
+    """Samples the server tree's RSS every `every_s` seconds while the load runs."""
+
+    def __init__(self, pid: int, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while True:
+            self.samples.append((time.monotonic() - start, tree_rss_mib(self.pid)))
+            if self._stop.wait(self.every_s):
+                return
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self.join()
+        return self.samples
 
 
 def make_requests(rng: random.Random, count: int, max_words: int) -> list[dict[str, object]]:
@@ -101,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
     parser.add_argument("--label", default="", help="printed with the results")
+    parser.add_argument("--minutes", type=float, default=0, help="a soak: overrides --rounds")
+    parser.add_argument("--sample-every", type=float, default=60, help="seconds, with --minutes")
+    parser.add_argument("--plot", type=Path, help="with --minutes: a PNG of RSS per sample")
     parser.add_argument("server_flags", nargs="*", help="after --: flags for the server")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
@@ -111,14 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     argv_server = [str(server), "serve", "--num-blocks", "512", "--port", str(port),
                    "--log-level", "warning", *args.server_flags]  # fmt: skip
     rng = random.Random(args.seed)
-    deadline = time.monotonic() + args.timeout
+    soak_s = args.minutes * 60
+    deadline = time.monotonic() + max(args.timeout, soak_s + 300)
     proc = launch(argv_server, log, env)
     rss: list[float] = []
+    sampler = RssSampler(proc.pid, args.sample_every)
     try:
         wait_ready(url, proc, 600, log)
         print(f"{args.label or 'server'}: {' '.join(argv_server[1:])} env {env or '{}'}")
         print(f"  started: {tree_rss_mib(proc.pid):,.0f} MiB")
-        for i in range(args.rounds):
+        if soak_s:
+            sampler.start()
+        soak_end = time.monotonic() + soak_s
+        for i in range(10**9 if soak_s else args.rounds):
+            if soak_s and time.monotonic() > soak_end:
+                break
             if time.monotonic() > deadline:
                 print(f"  stopped: --timeout {args.timeout:.0f} s reached")
                 break
@@ -132,11 +169,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {i + 1}: {rss[-1]:,.0f} MiB ({time.monotonic() - start:.0f} s, "
                   f"{failed} failed)", flush=True)  # fmt: skip
     finally:
+        samples = sampler.stop() if sampler.is_alive() else []
         stop(proc)
+    if samples:
+        _report_soak(samples, args)
     summary = " / ".join(f"{r:,.0f}" for r in rss)
     growth = f"{rss[-1] - rss[1]:+.0f} MiB" if len(rss) > 2 else "n/a"
     print(f"  RSS per round {summary} MiB; round 2 to {len(rss)}: {growth}; log {log}")
     return 0
+
+
+def _report_soak(samples: list[tuple[float, float]], args: argparse.Namespace) -> None:
+    print("  minute  RSS MiB")
+    for t, r in samples:
+        print(f"  {t / 60:6.1f}  {r:7,.0f}")
+    after_warmup = [r for t, r in samples if t >= 120]  # from minute 2, as rounds from 2
+    if after_warmup:
+        print(f"  from minute 2 to the end: {after_warmup[-1] - after_warmup[0]:+.0f} MiB "
+              f"(min {min(after_warmup):,.0f}, max {max(after_warmup):,.0f})")  # fmt: skip
+    if args.plot:
+        from bench.plots import plot_rss
+
+        title = f"server RSS, {args.minutes:g} min of prompts of 1-{args.max_words} words"
+        print(f"  plot: {plot_rss(samples, args.plot, title)}")
 
 
 if __name__ == "__main__":
