@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     for spinner in spinners:
         spinner.start()
+    from bench.compare import machine_line
+
+    print(machine_line())
     print(f"{args.runs} runs of pytest {' '.join(selection)}, {args.busy} busy loops beside")
     try:
         for run in range(1, args.runs + 1):

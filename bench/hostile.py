@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, stop, wait_ready
+from bench.compare import free_port, launch, machine_line, stop, wait_ready
 
 ROUTES = {  # where each route's body takes the nested value
     "/v1/completions": ('{"model": "m", "max_tokens": 1, "prompt": ', "}"),
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Path(sys.executable).with_name("pagedserve")
     argv_server = [str(server), "serve", "--port", str(port), "--log-level", "warning",
                    *args.server_flags]  # fmt: skip
+    print(machine_line())
     proc = launch(argv_server, log, {})
     try:
         wait_ready(url, proc, 600, log)

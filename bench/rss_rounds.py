@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, stop, wait_ready
+from bench.compare import free_port, launch, machine_line, stop, wait_ready
 
 _TEXT = (
     "the of and to in is was that for it with as on be at by this had not are but from or "
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     soak_s = args.minutes * 60
     deadline = time.monotonic() + max(args.timeout, soak_s + 300)
+    print(machine_line())
     proc = launch(argv_server, log, env)
     rss: list[float] = []
     sampler = RssSampler(proc.pid, args.sample_every)
