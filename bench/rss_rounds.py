@@ -68,17 +68,17 @@ class RssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.every_s = pid, every_s
         self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
         start = time.monotonic()
         while True:
             self.samples.append((time.monotonic() - start, tree_rss_mib(self.pid)))
-            if self._stop.wait(self.every_s):
+            if self._done.wait(self.every_s):
                 return
 
     def stop(self) -> list[tuple[float, float]]:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.samples
 
