@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.flake [--runs 10] [--busy 2] [-- PYTEST ARGS]
 
-Runs pytest on the reliability part of `make test` (the default selection below, or the
+Runs pytest on the fuzz and soak part of `make test` (the default selection below, or the
 pytest arguments after `--`) `--runs` times in a row while `--busy` processes spin on a
 core each beside it, the load that made a check fail by chance before. Prints each run's
 outcome and time and stops at the first failure, with its output's tail. Exit status 0
@@ -17,16 +17,15 @@ import subprocess
 import sys
 import time
 
-# The fuzz and soak part: hostile bodies, schemathesis, slow clients and connection limits,
-# disconnects and failing steps, SIGTERM drains, a first start killed, the compile thread.
+# The fuzz and soak part, the one that failed by chance (issue 29, item 6): schemathesis and
+# the hostile bodies against a live server, the bounded soak, the compile thread's priority.
+# The other reliability files (tests/server/test_server_{limits,lifecycle,shutdown,
+# killed_start}.py) take about 12 minutes a run beside two busy loops on 2 cores: pass them
+# after `--` for a longer check.
 RELIABILITY = [
     "tests/server/test_server_fuzz.py",
-    "tests/server/test_server_limits.py",
-    "tests/server/test_server_lifecycle.py",
-    "tests/server/test_server_shutdown.py",
-    "tests/server/test_server_killed_start.py",
-    "tests/server/test_grammar_compiler.py",
     "tests/bench/test_soak.py",
+    "tests/server/test_grammar_compiler.py",
 ]
 
 
