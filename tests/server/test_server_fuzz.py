@@ -80,7 +80,10 @@ def test_schemathesis_finds_no_failure(fuzz_server: RunningServer) -> None:
         {"seed": SEED, "generation": {"max-examples": MAX_EXAMPLES},
          "request-timeout": REQUEST_TIMEOUT_S}
     )  # fmt: skip
-    schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json", config=config)
+    # The schema's first read builds it (seconds of pydantic work): schemathesis's own 10 s
+    # timeout for it failed beside two busy loops.
+    url = f"{fuzz_server.url}/openapi.json"
+    schema = schemathesis.openapi.from_url(url, config=config, timeout=REQUEST_TIMEOUT_S)
 
     @schema.hook
     def filter_case(_: Any, case: schemathesis.Case) -> bool:
