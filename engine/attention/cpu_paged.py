@@ -1,6 +1,7 @@
 """The CPU paged backend: decodes through the paged decode kernel, prefills through SDPA.
 
-For bf16 on CPUs with AVX512-BF16 (where `engine.kernels.cpu_kernels` builds). Each decode
+For bf16 on CPUs with AVX512-BF16, and float32 on a GGUF's blocks (AVX2; see
+`engine.kernels.layer_kernels`). Each decode
 reads its blocks straight from the cache in one kernel call per layer for the whole
 step: no gathered copy, no padded mask, no cascade planning. Measured per layer call
 against the SDPA backend (9 query / 3 KV heads, head_dim 64, `python -m
@@ -19,7 +20,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.sdpa import Prefill, plan_prefills, sdpa_prefill
-from engine.kernels import cpu_kernels
+from engine.kernels import ggml_kernels
 
 
 @dataclass
@@ -32,9 +33,9 @@ class _Decodes:
 class CpuPagedBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         super().__init__(num_heads, num_kv_heads)
-        self._kernels = cpu_kernels()
+        self._kernels = ggml_kernels()  # the paged decode kernel of both builds
         if self._kernels is None:
-            raise ValueError("the cpu-paged attention backend needs AVX512-BF16 (see the log)")
+            raise ValueError("the cpu-paged attention backend needs AVX2 (see the log)")
         self._decodes: _Decodes | None = None
         self._prefills: list[Prefill] = []
         self._prepared = False

@@ -11,7 +11,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import ReferenceBackend
 from engine.attention.sdpa import SdpaBackend
-from engine.kernels import bf16_cpu_kernels
+from engine.kernels import layer_kernels
 
 # name -> factory of (num_heads, num_kv_heads): each model gets its own backend object,
 # since a backend keeps the plan of the step it last prepared.
@@ -20,7 +20,8 @@ ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
     "sdpa": SdpaBackend,
     # Every decode over its whole context, shared prefixes or not: for A/B runs.
     "sdpa-nocascade": partial(SdpaBackend, cascade=False),
-    # bf16 on CPUs with AVX512-BF16: decodes through the paged decode kernel.
+    # bf16 on CPUs with AVX512-BF16, float32 on a GGUF's blocks: decodes through the paged
+    # decode kernel.
     "cpu-paged": CpuPagedBackend,
 }
 
@@ -29,16 +30,22 @@ DEFAULT_BACKEND = "sdpa"
 
 
 def cpu_paged_applies(
-    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    quantization: str | None = None,
 ) -> bool:
-    """Whether the cpu-paged backend can serve this model: bf16 on a CPU with the kernels,
-    and a head layout the kernel handles (head_dim a multiple of 16 up to 256, at most 16
-    query heads per KV head)."""
+    """Whether the cpu-paged backend can serve this model: where its layers run the CPU
+    kernels (`engine.kernels.layer_kernels`: bf16 with AVX512-BF16, float32 on a GGUF's
+    blocks), with a head layout the kernel handles (head_dim a multiple of 16 up to 256, at
+    most 16 query heads per KV head)."""
     return (
         head_dim % 16 == 0
         and head_dim <= 256
         and num_heads // num_kv_heads <= 16
-        and bf16_cpu_kernels(dtype, device) is not None
+        and layer_kernels(dtype, device, quantization) is not None
     )
 
 
@@ -49,11 +56,12 @@ def get_attention_backend(
     head_dim: int = 64,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,  # None: torch's default device
+    quantization: str | None = None,  # the model's (engine.models.linear)
 ) -> AttentionBackend:
-    """A new backend ``name`` for this head layout, dtype and device; "auto" is cpu-paged
-    where it can run (4-6x SDPA's decode attention) and SDPA elsewhere."""
+    """A new backend ``name`` for this head layout, dtype, device and quantization; "auto"
+    is cpu-paged where it can run (4-6x SDPA's decode attention) and SDPA elsewhere."""
     device = torch.device(device) if device is not None else torch.get_default_device()
-    paged = cpu_paged_applies(dtype, device, num_heads, num_kv_heads, head_dim)
+    paged = cpu_paged_applies(dtype, device, num_heads, num_kv_heads, head_dim, quantization)
     auto = "cpu-paged" if paged else DEFAULT_BACKEND
     key = auto if name == "auto" else name
     try:
@@ -63,9 +71,10 @@ def get_attention_backend(
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}") from None
     if key == "cpu-paged" and not paged:
         raise ValueError(
-            "attention backend 'cpu-paged' needs device cpu, dtype bfloat16, a CPU with "
-            "AVX512-BF16, head_dim a multiple of 16 up to 256 and at most 16 query heads per "
-            f"KV head; got {device}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
+            "attention backend 'cpu-paged' needs device cpu, dtype bfloat16 on a CPU with "
+            "AVX512-BF16 or float32 on a GGUF's blocks (AVX2), head_dim a multiple of 16 up to "
+            "256 and at most 16 query heads per KV head; got "
+            f"{device}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
         )
     backend = factory(num_heads, num_kv_heads)
     backend.name = key

@@ -12,8 +12,8 @@ next start: see `_build_lock` and `_drop_unverified`.
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
   attention straight from the paged cache (`csrc/paged_decode.cpp`)
-* ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``: the small ops around a bf16 layer's
-  matmuls, one call each (`csrc/fused_ops.cpp`)
+* ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``: the small ops around a layer's
+  matmuls, one call each (`csrc/fused_ops.cpp` bf16, `csrc/fused_ops_f32.cpp` float32)
 * ``DecodeStack``: a decode-only step's decoder layers in one call, through the kernels
   above (`csrc/decode_stack.cpp`)
 * ``apply_token_bitmask_(logits, bitmask, rows)``: a grammar's allowed tokens on float32
@@ -23,7 +23,9 @@ next start: see `_build_lock` and `_drop_unverified`.
   (`csrc/ggml_quants.cpp`), also a `DecodeStack` projection
 
 `ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU with AVX2 but
-not AVX512-BF16 a build of `csrc/ggml_quants.cpp` alone.
+not AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and
+decode stack (`AVX2_SOURCES`), which serve a GGUF with float32 activations there.
+`layer_kernels(dtype, device, quantization)` says which module, if any, a model's layers use.
 """
 
 from __future__ import annotations
@@ -46,14 +48,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (
+# Both builds: the GGUF kernels, and the float32 layer ops and decode stack that serve them
+# with float32 activations (AVX2).
+AVX2_SOURCES = (
     "bindings.cpp",
+    "dispatch.cpp",
+    "fused_ops_f32.cpp",
+    "paged_decode_f32.cpp",
+    "decode_stack.cpp",
+    "ggml_quants.cpp",
+)
+# The AVX512-BF16 build adds the bf16 and int8/int4 kernels.
+SOURCES = (
+    *AVX2_SOURCES,
     "skinny_gemm.cpp",
     "paged_decode.cpp",
     "fused_ops.cpp",
-    "decode_stack.cpp",
     "token_bitmask.cpp",
-    "ggml_quants.cpp",
 )
 # The flags the intrinsics need; the build targets exactly these, not -march=native, so a
 # cached build stays valid on any CPU that has them.
@@ -62,7 +73,7 @@ CPU_KERNEL_FLAGS = frozenset(
 )
 # (Every CPU with AVX512-BF16 has AVX512-VNNI: Cooper Lake, Sapphire Rapids, Zen 4 and 5.)
 _ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx2",
-               "-mfma", "-mf16c"]  # fmt: skip
+               "-mfma", "-mf16c", "-DPAGEDSERVE_BF16_KERNELS"]  # fmt: skip
 
 
 @lru_cache(maxsize=1)
@@ -160,15 +171,15 @@ def _record_libraries(directory: Path) -> None:
 
 @lru_cache(maxsize=1)
 def ggml_kernels() -> ModuleType | None:
-    """The GGUF block kernels: the AVX-512 module's where it builds (its decode stack
-    calls them), else an AVX2 build of them alone; None where the CPU lacks AVX2/FMA/F16C
-    or they do not build (then a GGUF's weights are dequantized at load)."""
+    """The GGUF block kernels and the float32 layer ops and decode stack: the AVX-512
+    module where it builds, else the AVX2 build (`AVX2_SOURCES`); None where the CPU lacks
+    AVX2/FMA/F16C or they do not build (then a GGUF's weights are dequantized at load)."""
     if (kernels := cpu_kernels()) is not None:
         return kernels
     if not cpu_flags() >= GGML_KERNEL_FLAGS:
         return None
-    sources = [CSRC / "ggml_quants.cpp", CSRC / "ggml_bindings.cpp"]
-    return _build("pagedserve_ggml_kernels", sources, _GGML_CFLAGS)
+    sources = [CSRC / source for source in AVX2_SOURCES]
+    return _build("pagedserve_avx2_kernels", sources, _GGML_CFLAGS)
 
 
 @lru_cache(maxsize=1)
@@ -192,3 +203,19 @@ def bf16_cpu_kernels(dtype: torch.dtype, device: torch.device | str) -> ModuleTy
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     return cpu_kernels()
+
+
+def layer_kernels(
+    dtype: torch.dtype, device: torch.device | str, quantization: str | None
+) -> ModuleType | None:
+    """The module whose layer ops (norms, rotary, silu), paged decode attention and decode
+    stack serve a model of this dtype and quantization on this device, else None (torch's
+    ops serve): bf16 on a CPU with AVX512-BF16; float32 where a GGUF's blocks serve every
+    projection (quantization "gguf", on CPUs without AVX512-BF16), since the float32
+    reference path (a Hugging Face checkpoint or --dtype float32) stays torch's own ops,
+    token for token what transformers computes."""
+    if torch.device(device).type != "cpu":
+        return None
+    if dtype == torch.float32 and quantization == "gguf":
+        return ggml_kernels()
+    return bf16_cpu_kernels(dtype, device)

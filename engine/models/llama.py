@@ -28,7 +28,7 @@ from engine.attention import AttentionMetadata, get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.distributed import TensorParallel
 from engine.gguf_weights import GGUFTensor
-from engine.kernels import bf16_cpu_kernels, ggml_kernels
+from engine.kernels import ggml_kernels, layer_kernels
 from engine.models.linear import (
     GGUF,
     Linear,
@@ -170,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` through the fused bf16 CPU ops (``ops``, see `engine.kernels`).
+        """`forward` through the fused CPU ops (``ops``, see `engine.kernels`).
 
         The residual stream is carried apart from the layer's output, as in vLLM, so each
         residual add is fused into the norm that follows it: takes and returns (the
@@ -195,6 +195,7 @@ def _architecture(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """The few numbers and switches the layers need, read from a transformers config:
     this rank's share of the heads and MLP columns under tensor parallelism."""
@@ -232,9 +233,11 @@ def _architecture(
         "o_bias": o_bias,
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
         "act": act,
+        "quantization": quantization,
         # One backend object for all layers: the runner prepares it once per step.
         "attn_backend": get_attention_backend(
-            attn_backend, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, device=device
+            attn_backend, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+            quantization=quantization,
         ),
     }
 
@@ -270,8 +273,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.tp = tp
-        arch = _architecture(hf_config, attn_backend, dtype, device, tp)
-        arch["quantization"] = quantization
+        arch = _architecture(hf_config, attn_backend, dtype, device, tp, quantization)
         self.num_layers = hf_config.num_hidden_layers
         self.num_heads, self.num_kv_heads = arch["num_heads"], arch["num_kv_heads"]
         self.head_dim = arch["head_dim"]
@@ -283,10 +285,11 @@ class LlamaForCausalLM(nn.Module):
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
         # Every layer calls it; `attn_backend.prepare(meta)` must run once before each step.
         self.attn_backend = arch["attn_backend"]
-        # bf16 on a CPU with the kernels: the layers' small ops go through engine.kernels
-        # (one process's whole layers only: not under tensor parallelism).
+        # bf16 on a CPU with the kernels, or float32 on a GGUF's blocks: the layers' small
+        # ops go through engine.kernels (one process's whole layers only: not under tensor
+        # parallelism).
         self.fused_ops = (
-            bf16_cpu_kernels(dtype, device)
+            layer_kernels(dtype, device, quantization)
             if arch["act"] is F.silu and self.head_dim % 2 == 0 and tp is None
             else None
         )

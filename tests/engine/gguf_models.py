@@ -58,11 +58,11 @@ def write_requantized_gguf(path: Path, qtype: T) -> Path:
     return _write_gguf(path, None, lambda name: qtype)
 
 
-def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
-    """The default model's metadata, embedding (in `MIXED_EMBEDDING`) and first
-    `len(MIXED_LAYERS)` layers, each projection in its `MIXED_LAYERS` type: the legacy
-    types re-quantized from the real weights, the K-quants random blocks (the gguf
-    package cannot quantize them)."""
+def write_mixed_gguf(path: Path, seed: int = 0, layers: int = len(MIXED_LAYERS)) -> Path:
+    """The default model's metadata, embedding (in `MIXED_EMBEDDING`) and first ``layers``
+    layers, each projection in its `MIXED_LAYERS` type: the legacy types re-quantized from
+    the real weights, the K-quants random blocks (the gguf package cannot quantize them).
+    ``layers=3``: every type the kernels multiply, none served dequantized."""
 
     def mixed_type(name: str) -> T | None:
         if name == "token_embd.weight":
@@ -71,7 +71,7 @@ def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
         return MIXED_LAYERS[int(layer)].get(rest.removesuffix(".weight")) \
             if name.startswith("blk.") else None  # fmt: skip
 
-    return _write_gguf(path, len(MIXED_LAYERS), mixed_type, np.random.default_rng(seed))
+    return _write_gguf(path, layers, mixed_type, np.random.default_rng(seed))
 
 
 def _write_gguf(

@@ -1,20 +1,25 @@
-// The CPU kernels as one Python module (engine/kernels/__init__.py builds and loads it).
+// The CPU kernels as one Python module (engine/kernels/__init__.py builds and loads it): every
+// kernel where PAGEDSERVE_BF16_KERNELS is defined (AVX512-BF16), else the GGUF kernels and
+// the float32 layer ops and decode stack (AVX2).
 #include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: they let go of the GIL, so the server's event
   // loop (streaming the last step's tokens) runs while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
+#ifdef PAGEDSERVE_BF16_KERNELS
   m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias) for a few rows of x", nogil);
   m.def("int4_linear", &int4_linear, "y = x @ W.T (+ bias) for a few rows of x, int4 W", nogil);
   m.def("dequantize_int4", &dequantize_int4, "the bf16 [N, K] weight of int4 blocks", nogil);
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "one query token per request against the paged bf16 KV cache", nogil);
-  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), bf16", nogil);
-  m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row, bf16", nogil);
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[row, t] = -inf where bit t of bitmask[row] is 0, for the given rows", nogil);
+#endif
+  // float32 or bf16 (bf16 where PAGEDSERVE_BF16_KERNELS is defined)
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per request against the paged KV cache", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row", nogil);
 
   m.def("ggml_dequantize", &ggml_dequantize, "float32 (or bf16) weights of ggml blocks",
         py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(),

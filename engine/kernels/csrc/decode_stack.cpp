@@ -4,6 +4,8 @@
 // argument checks, 9 calls a layer) cost about a millisecond of a 5-6 ms step.
 #include "decode_stack.h"
 
+#include <stdexcept>
+
 Projection::Projection(c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> scales,
                        c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
                        std::vector<torch::Tensor> ggml_blocks, std::vector<int64_t> ggml_types)
@@ -21,8 +23,12 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     torch::Tensor y = ggml_linear(x, ggml_blocks, ggml_types);
     return bias ? y.add_(*bias) : y;
   }
+#ifdef PAGEDSERVE_BF16_KERNELS
   if (mins) return int4_linear(x, *weight, *scales, *mins, bias);
   return skinny_linear(x, *weight, scales, bias);
+#else
+  throw std::invalid_argument("dense projections need a CPU with AVX512-BF16");
+#endif
 }
 
 DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm,

@@ -5,10 +5,10 @@
 // Each op rounds to bf16 exactly where the torch ops it replaces round, so its output
 // equals theirs up to the fp32 summation order of the norm and silu's exp (AVX-512 here,
 // with scalar tails for widths that are not a multiple of 16).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <cmath>
@@ -32,9 +32,9 @@ constexpr int64_t kRowsPerTask = 16;
 // residual (if given) += x, in bf16 as `hidden + y` rounds; then transformers' RMSNorm of
 // the sum: normalise in fp32, round to bf16, scale by the weight, round again.
 // Returns (normed, the new residual stream): with no residual, the stream is x itself.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
-                                                      const c10::optional<torch::Tensor>& residual,
-                                                      const torch::Tensor& weight, double eps) {
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous [T, H] bfloat16 tensor");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == x.size(1),
@@ -98,10 +98,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
 // Rotary embedding of the q and k heads of a fused [T, (H + 2 KVH) * D] QKV projection
 // (`x * cos + rotate_half(x) * sin`, rounded per op as in bf16 torch), the rotated k and
 // the v heads written to their cache slots, the rotated q returned as [T, H, D].
-torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
-                            const torch::Tensor& sin, torch::Tensor& k_cache,
-                            torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-                            int64_t num_heads, int64_t num_kv_heads) {
+torch::Tensor rope_write_kv_bf16(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, torch::Tensor& k_cache,
+                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                                 int64_t num_heads, int64_t num_kv_heads) {
   const int64_t T = qkv.size(0), D = k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous() &&
                   qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
@@ -155,7 +155,7 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
 }
 
 // silu(gate) * up of a fused [T, 2I] gate/up projection, rounded per op as in bf16 torch.
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 &&
                   gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [T, 2I] bfloat16 tensor");

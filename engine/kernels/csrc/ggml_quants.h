@@ -1,5 +1,5 @@
-// The GGUF block kernels' entry points (ggml_quants.cpp), shared by the AVX2-only module
-// (ggml_bindings.cpp) and the AVX-512 one (bindings.cpp, whose decode stack calls them).
+// The GGUF block kernels' entry points (ggml_quants.cpp), in both builds of the module
+// (bindings.cpp); the decode stack calls them for a GGUF's projections.
 #pragma once
 
 #include <torch/extension.h>

@@ -1,0 +1,130 @@
+// Paged decode attention, the part both element types share (paged_decode.cpp: bf16 on
+// AVX-512; paged_decode_f32.cpp: float32 on AVX2): one query token per request, read
+// straight from the paged K/V cache (no gathered copy), online softmax in float32.
+//
+// q [N, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], all of one dtype;
+// block_tables [N, max_blocks] int32; seq_lens [N] int32 -> out [N, H, D] in q's dtype.
+// Query head h reads KV head h / (H / KVH).
+//
+// Why: a decode step's attention is little arithmetic, and the SDPA path spent it on a
+// gather of each request's blocks, a padded mask and a kernel launch per layer. Here each
+// task is one (request, KV head, chunk of the context): its H / KVH query heads walk the
+// chunk's blocks together, so every K and V row is read once per step, and the context
+// is split into chunks so that a single request still keeps every thread busy. Chunks
+// are merged exactly through their log-sum-exp, as flash-decoding does.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace paged_decode {
+
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxGroup = 16;      // query heads per KV head
+constexpr int64_t kChunkTokens = 256;  // context tokens per task
+
+// One chunk's result for its G query heads, before normalisation: a view of its slice of
+// one flat buffer (G maxima, G sums, G x D accumulators).
+struct Partial {
+  float* max;
+  float* sum;
+  float* acc;
+  static int64_t floats(int64_t G, int64_t D) { return G * (D + 2); }
+  Partial(float* base, int64_t G) : max(base), sum(base + G), acc(base + 2 * G) {}
+  void clear(int64_t G, int64_t D) {
+    std::fill(max, max + G, -std::numeric_limits<float>::infinity());
+    std::fill(sum, sum + G, 0.f);
+    std::fill(acc, acc + G * D, 0.f);
+  }
+};
+
+template <typename T>
+struct Problem {
+  const T *q, *k, *v;
+  const int32_t *tables, *seq_lens;
+  int64_t heads, kv_heads, dim, group, block_size, max_blocks;
+  float scale;
+};
+
+// Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
+// every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
+// `lanes`: the head_dim multiple the caller's vectors need.
+template <typename T, typename Attend>
+torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_lens, double scale, int64_t lanes, Attend attend) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q [N, H, D] and caches [blocks, block_size, KVH, D] expected");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must have one dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and the caches must be contiguous");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup && k_cache.size(3) == D,
+              "head layout: H a multiple of KVH, at most 16 query heads per KV head");
+  TORCH_CHECK(D % lanes == 0 && D <= kMaxDim, "head_dim must be a multiple of ", lanes,
+              ", <= 256");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "block_tables and seq_lens must be contiguous int32");
+  TORCH_CHECK(block_tables.size(0) == N && seq_lens.size(0) == N, "one row per query");
+  const Problem<T> p{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                     H, KVH, D, H / KVH, k_cache.size(1), block_tables.size(1),
+                     static_cast<float>(scale)};
+  // Tasks: (request, KV head, chunk); a request's chunks are consecutive.
+  std::vector<int64_t> first_task(N + 1, 0);
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t len = p.seq_lens[r];
+    TORCH_CHECK(len > 0 && len <= p.max_blocks * p.block_size, "seq_len out of range");
+    first_task[r + 1] = first_task[r] + KVH * ((len + kChunkTokens - 1) / kChunkTokens);
+  }
+  const int64_t part_floats = Partial::floats(p.group, D);
+  std::unique_ptr<float[]> parts(new float[first_task[N] * part_floats]);  // not zeroed
+  at::parallel_for(0, first_task[N], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = std::upper_bound(first_task.begin(), first_task.end(), task) -
+                        first_task.begin() - 1;
+      const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
+      const int64_t local = task - first_task[r], g = local / chunks, c = local % chunks;
+      const int64_t start = c * kChunkTokens;
+      const int64_t stop = std::min<int64_t>(start + kChunkTokens, p.seq_lens[r]);
+      attend(p, r, g, start, stop, Partial(parts.get() + task * part_floats, p.group));
+    }
+  });
+  // Merge each (request, KV head)'s chunks and normalise.
+  auto out = torch::empty_like(q);
+  T* o = out.data_ptr<T>();
+  const int64_t G = p.group;
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
+    for (int64_t g = 0; g < KVH; ++g) {
+      float* first = parts.get() + (first_task[r] + g * chunks) * part_floats;
+      for (int64_t j = 0; j < G; ++j) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c)
+          m = std::max(m, Partial(first + c * part_floats, G).max[j]);
+        float total = 0.f;
+        float acc[kMaxDim] = {0.f};
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Partial part(first + c * part_floats, G);
+          const float w = std::exp(part.max[j] - m);
+          total += part.sum[j] * w;
+          for (int64_t d = 0; d < D; ++d) acc[d] += part.acc[j * D + d] * w;
+        }
+        T* dst = o + (r * H + g * G + j) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = T(acc[d] / total);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace paged_decode

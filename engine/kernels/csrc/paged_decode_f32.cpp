@@ -1,0 +1,124 @@
+// Paged decode attention in float32 on AVX2 (paged_decode.h: the shared part): the
+// decode path of a GGUF served with float32 activations, on CPUs without AVX512-BF16.
+#include <immintrin.h>
+
+#include "kernels.h"
+#include "paged_decode.h"
+#include "vec_avx2.h"
+
+namespace {
+
+using paged_decode::kMaxGroup;
+using paged_decode::Partial;
+using Problem = paged_decode::Problem<float>;
+using pagedserve_avx2::exp_ps;
+using pagedserve_avx2::hmax;
+using pagedserve_avx2::hsum;
+using pagedserve_avx2::kLanes;
+
+constexpr int64_t kKeys = 8;  // keys per online-softmax update: one vector of scores
+
+// The K and V rows of keys [t0, t0 + n) of request r's KV head g.
+inline void locate(const Problem& p, const int32_t* table, int64_t g, int64_t t0, int64_t n,
+                   const float** krow, const float** vrow) {
+  const int64_t row_stride = p.kv_heads * p.dim, block_stride = p.block_size * row_stride;
+  int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t base = int64_t(table[block]) * block_stride + offset * row_stride + g * p.dim;
+    krow[t] = p.k + base;
+    vrow[t] = p.v + base;
+    if (++offset == p.block_size) offset = 0, ++block;
+  }
+}
+
+// Attention of request r's query heads on KV head g over context tokens [begin, end).
+template <int kG>
+void attend_chunk(const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t end,
+                  Partial out) {
+  const int64_t D = p.dim, G = kG > 0 ? kG : p.group, vecs = D / kLanes;
+  const float* q = p.q + (r * p.heads + g * G) * D;
+  const int32_t* table = p.tables + r * p.max_blocks;
+  out.clear(G, D);
+  const float *krow[kKeys], *vrow[kKeys], *knext[kKeys], *vnext[kKeys];
+  locate(p, table, g, begin, std::min(kKeys, end - begin), knext, vnext);
+  for (int64_t t0 = begin; t0 < end; t0 += kKeys) {
+    const int64_t n = std::min(kKeys, end - t0);
+    std::copy(knext, knext + n, krow);
+    std::copy(vnext, vnext + n, vrow);
+    // The next keys' rows are fetched while these compute: between two layers'
+    // attention the step streams its weights, so the cache arrives from memory.
+    if (t0 + kKeys < end) {
+      const int64_t next = std::min(kKeys, end - t0 - kKeys);
+      locate(p, table, g, t0 + kKeys, next, knext, vnext);
+      for (int64_t t = 0; t < next; ++t)
+        for (int64_t b = 0; b < D * 4; b += 64) {
+          _mm_prefetch((const char*)knext[t] + b, _MM_HINT_T0);
+          _mm_prefetch((const char*)vnext[t] + b, _MM_HINT_T0);
+        }
+    }
+    alignas(32) float probs[kMaxGroup][kKeys];
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = q + j * D;
+      alignas(32) float s[kKeys];
+      for (int64_t t = 0; t < kKeys; ++t) {
+        if (t >= n) {
+          s[t] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        __m256 dot = _mm256_setzero_ps();
+        for (int64_t c = 0; c < vecs; ++c)
+          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * kLanes),
+                                _mm256_loadu_ps(krow[t] + c * kLanes), dot);
+        s[t] = hsum(dot) * p.scale;
+      }
+      const __m256 sv = _mm256_load_ps(s);
+      const float new_max = std::max(out.max[j], hmax(sv));
+      const float correction = std::exp(out.max[j] - new_max);  // 0 on the first keys
+      const __m256 valid = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m256 e = _mm256_and_ps(valid, exp_ps(_mm256_sub_ps(sv, _mm256_set1_ps(new_max))));
+      _mm256_store_ps(probs[j], e);
+      out.sum[j] = out.sum[j] * correction + hsum(e);
+      out.max[j] = new_max;
+      if (correction != 1.f) {
+        const __m256 cv = _mm256_set1_ps(correction);
+        for (int64_t c = 0; c < vecs; ++c) {
+          float* a = out.acc + j * D + c * kLanes;
+          _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_loadu_ps(a), cv));
+        }
+      }
+    }
+    // probs . V: each V row loaded once for the group's G heads.
+    for (int64_t c = 0; c < vecs; ++c) {
+      __m256 acc[kG > 0 ? kG : kMaxGroup];
+      for (int64_t j = 0; j < G; ++j) acc[j] = _mm256_loadu_ps(out.acc + j * D + c * kLanes);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 vv = _mm256_loadu_ps(vrow[t] + c * kLanes);
+        for (int64_t j = 0; j < G; ++j)
+          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(probs[j][t]), vv, acc[j]);
+      }
+      for (int64_t j = 0; j < G; ++j) _mm256_storeu_ps(out.acc + j * D + c * kLanes, acc[j]);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                         const torch::Tensor& v_cache,
+                                         const torch::Tensor& block_tables,
+                                         const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q and the caches must be float32");
+  auto attend = [](const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t end,
+                   Partial part) {
+    switch (p.group) {  // the common grouped-query shapes, compiled for their group size
+      case 1: attend_chunk<1>(p, r, g, begin, end, part); break;
+      case 2: attend_chunk<2>(p, r, g, begin, end, part); break;
+      case 3: attend_chunk<3>(p, r, g, begin, end, part); break;
+      case 4: attend_chunk<4>(p, r, g, begin, end, part); break;
+      case 8: attend_chunk<8>(p, r, g, begin, end, part); break;
+      default: attend_chunk<0>(p, r, g, begin, end, part); break;
+    }
+  };
+  return paged_decode::run<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, kLanes,
+                                  attend);
+}

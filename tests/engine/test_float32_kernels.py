@@ -1,0 +1,158 @@
+"""The float32 layer ops, paged decode attention and decode stack (AVX2; both builds of the
+kernels have them) equal the torch ops they replace, and serve a GGUF's float32 path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.attention.reference import reference_paged_attention
+from engine.attention.sdpa import SdpaBackend
+from engine.kernels import ggml_kernels, layer_kernels
+from engine.models.llama import apply_rotary, rms_norm
+from tests.engine.gguf_models import write_mixed_gguf
+from tests.engine.test_attention import attend, make_batch, random_shapes
+from tests.engine.test_decode_stack import _assert_stack_equals_python_layers, _Counted
+from tests.engine.tiny_models import make_tiny_model_dir
+
+pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the float32 kernels need AVX2")
+
+
+def _f32(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (5, 576), (300, 2048), (3, 44)])
+def test_add_rms_norm_is_the_residual_add_then_transformers_rmsnorm(rows, width):
+    x, residual = _f32(rows, width, seed=1, scale=30.0), _f32(rows, width, seed=2, scale=30.0)
+    weight = _f32(width, seed=3).abs()
+    normed, stream = ggml_kernels().add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(stream, residual + x)
+    # The mean of squares is summed in another order: a few ulps.
+    torch.testing.assert_close(normed, rms_norm(residual + x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+    alone, same = ggml_kernels().add_rms_norm(x, None, weight, 1e-5)
+    assert same is x or torch.equal(same, x)
+    torch.testing.assert_close(alone, rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_rope_write_kv_equals_apply_rotary_and_write_kv_bit_for_bit(rows):
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = _f32(rows, (heads + 2 * kv_heads) * dim, seed=4)
+    cos, sin = _f32(rows, dim, seed=5), _f32(rows, dim, seed=6)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:rows]
+    k_cache = torch.zeros(4, 16, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    q = ggml_kernels().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+
+    split = qkv.view(rows, heads + 2 * kv_heads, dim)
+    qk = apply_rotary(split[:, : heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    write_kv(k_ref, v_ref, qk[:, heads:], split[:, heads + kv_heads :], slots)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ggml_kernels().rope_write_kv(qkv[:1], cos[:1], sin[:1], k_cache, v_cache,
+                                     torch.tensor([64]), heads, kv_heads)  # fmt: skip
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (20, 1536), (2, 20)])
+def test_silu_mul_equals_silu_of_gate_times_up(rows, width):
+    gate_up = _f32(rows, 2 * width, seed=10, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-200.0, -60.0, 60.0, 200.0])  # exp's clamps, both ends
+    gate, up = gate_up.split(width, dim=-1)
+    got = ggml_kernels().silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_kernels_serve_a_gguf_s_blocks_only():
+    # The float32 reference (a Hugging Face checkpoint, --dtype float32) stays torch's ops.
+    assert layer_kernels(torch.float32, "cpu", "gguf") is ggml_kernels()
+    assert layer_kernels(torch.float32, "cpu", None) is None
+    assert layer_kernels(torch.float32, "meta", "gguf") is None
+    paged = get_attention_backend("auto", 6, 2, 64, torch.float32, quantization="gguf")
+    assert isinstance(paged, CpuPagedBackend)
+    assert isinstance(get_attention_backend("auto", 6, 2, 64, torch.float32), SdpaBackend)
+    with pytest.raises(ValueError, match="float32 on a GGUF's blocks"):
+        get_attention_backend("cpu-paged", 6, 2, 64, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (6, 1, 64), (4, 4, 32), (10, 2, 64)]
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_paged_float32_equals_reference_over_long_and_mixed_steps(
+    num_heads, num_kv_heads, head_dim, seed
+):
+    """Decodes of up to 700 tokens (several 256-token chunks merged) among prefills."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = random_shapes(rng, 5) + [(1, rng.randint(1, 700)) for _ in range(5)] + [(1, 257)]
+    rng.shuffle(shapes)
+    q, k_cache, v_cache, meta, _ = make_batch(
+        rng, shapes, num_heads, num_kv_heads, head_dim, torch.float32
+    )
+    scale = head_dim**-0.5
+    backend = get_attention_backend("cpu-paged", num_heads, num_kv_heads, head_dim,
+                                    torch.float32, quantization="gguf")  # fmt: skip
+    out = attend(backend, q, k_cache, v_cache, meta, scale)
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, scale)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_kernel_rejects_what_it_cannot_attend():
+    kernel = ggml_kernels()
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    q, cache = torch.zeros(1, 4, 12), torch.zeros(2, 4, 2, 12)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
+    q, cache = torch.zeros(1, 4, 16), torch.zeros(2, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.paged_decode_attention(q, cache.double(), cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)
+
+
+@pytest.fixture
+def float32_gguf_llm(tmp_path, monkeypatch):
+    """A GGUF of every kernel type served as `auto` does on a CPU without AVX512-BF16:
+    float32 activations on its blocks (forced where this CPU has AVX512-BF16, whose
+    module carries the float32 kernels too)."""
+    monkeypatch.setattr("engine.config.cpu_kernels", lambda: None)
+    gguf = write_mixed_gguf(tmp_path / "mixed.gguf", layers=3)
+    llm = LLM(model=str(gguf), cache_dir=str(tmp_path), num_blocks=32)
+    assert llm.engine.model.dtype == torch.float32
+    return llm
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch):
+    summary = float32_gguf_llm.engine.compute_summary
+    assert "decode stack" in summary and "Q4_K x" in summary, summary
+    _assert_stack_equals_python_layers(float32_gguf_llm, batch)
+
+
+def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf_llm, tmp_path):
+    """Greedy tokens through the decode stack and fused ops equal those of torch's ops
+    on the same blocks (SDPA attention, no fused ops): only summation order differs."""
+    llm = float32_gguf_llm
+    stack, max_rows = llm.engine.model.decode_stack
+    counted = _Counted(stack)
+    llm.engine.model.decode_stack = (counted, max_rows)
+    plain = LLM(model=str(tmp_path / "mixed.gguf"), cache_dir=str(tmp_path), num_blocks=32,
+                attention_backend="sdpa")  # fmt: skip
+    plain.engine.model.fused_ops = None
+    assert plain.engine.model.decode_stack is None
+    prompts = [[5, 6, 7, 8], list(range(300, 340))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert got == want and all(len(t) == 16 for t in got)
+    assert counted.calls >= 14
