@@ -134,9 +134,10 @@ class LLMEngine:
     def compute_summary(self) -> str:
         """How the model computes here: attention backend, CPU kernels, quantization."""
         parts = [f"attention {self.model.attn_backend.name}"]
-        if self.model.fused_ops is not None:
+        if self.model.fused_ops is not None:  # bf16 (AVX512-BF16) or float32 on GGUF blocks
+            gemm = "skinny GEMM, " if self.model.dtype == torch.bfloat16 else ""
             stack = ", decode stack" if self.model.decode_stack is not None else ""
-            parts.append(f"CPU kernels (skinny GEMM, fused ops{stack})")
+            parts.append(f"CPU kernels ({gemm}fused ops{stack})")
         if self.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         parts.append(f"weights: {self.model.weight_formats()}")
