@@ -18,17 +18,28 @@ using pagedserve_avx2::kLanes;
 
 constexpr int64_t kKeys = 8;  // keys per online-softmax update: one vector of scores
 
-// The K and V rows of keys [t0, t0 + n) of request r's KV head g.
+// The K and V rows of keys [t0, t0 + n) of request r's KV head g; past n (up to kKeys)
+// the last row again, whose scores are masked.
 inline void locate(const Problem& p, const int32_t* table, int64_t g, int64_t t0, int64_t n,
                    const float** krow, const float** vrow) {
   const int64_t row_stride = p.kv_heads * p.dim, block_stride = p.block_size * row_stride;
   int64_t block = t0 / p.block_size, offset = t0 % p.block_size;
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < kKeys; ++t) {
     const int64_t base = int64_t(table[block]) * block_stride + offset * row_stride + g * p.dim;
     krow[t] = p.k + base;
     vrow[t] = p.v + base;
-    if (++offset == p.block_size) offset = 0, ++block;
+    if (t + 1 < n && ++offset == p.block_size) offset = 0, ++block;
   }
+}
+
+// out[t] = the sum of v[t]'s 8 lanes, for 8 vectors at once (9 shuffles and adds, where 8
+// separate horizontal sums cost about five times that).
+inline __m256 sum_lanes8(const __m256 v[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // s0123: [v0..v3 low-half sums | v0..v3 high-half sums], s4567 the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 // Attention of request r's query heads on KV head g over context tokens [begin, end).
@@ -43,38 +54,37 @@ void attend_chunk(const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t
   locate(p, table, g, begin, std::min(kKeys, end - begin), knext, vnext);
   for (int64_t t0 = begin; t0 < end; t0 += kKeys) {
     const int64_t n = std::min(kKeys, end - t0);
-    std::copy(knext, knext + n, krow);
-    std::copy(vnext, vnext + n, vrow);
+    std::copy(knext, knext + kKeys, krow);
+    std::copy(vnext, vnext + kKeys, vrow);
     // The next keys' rows are fetched while these compute: between two layers'
     // attention the step streams its weights, so the cache arrives from memory.
     if (t0 + kKeys < end) {
       const int64_t next = std::min(kKeys, end - t0 - kKeys);
-      locate(p, table, g, t0 + kKeys, next, knext, vnext);
+      locate(p, table, g, t0 + kKeys, next, knext, vnext);  // past next: repeats, fetched once
       for (int64_t t = 0; t < next; ++t)
         for (int64_t b = 0; b < D * 4; b += 64) {
           _mm_prefetch((const char*)knext[t] + b, _MM_HINT_T0);
           _mm_prefetch((const char*)vnext[t] + b, _MM_HINT_T0);
         }
     }
+    // Keys past n score -inf, so their probabilities are 0.
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
     alignas(32) float probs[kMaxGroup][kKeys];
     for (int64_t j = 0; j < G; ++j) {
       const float* qj = q + j * D;
-      alignas(32) float s[kKeys];
-      for (int64_t t = 0; t < kKeys; ++t) {
-        if (t >= n) {
-          s[t] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        __m256 dot = _mm256_setzero_ps();
-        for (int64_t c = 0; c < vecs; ++c)
-          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * kLanes),
-                                _mm256_loadu_ps(krow[t] + c * kLanes), dot);
-        s[t] = hsum(dot) * p.scale;
+      __m256 dots[kKeys];  // 8 independent chains of multiply-adds, one per key
+      for (int64_t t = 0; t < kKeys; ++t) dots[t] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < vecs; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qj + c * kLanes);
+        for (int64_t t = 0; t < kKeys; ++t)
+          dots[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(krow[t] + c * kLanes), dots[t]);
       }
-      const __m256 sv = _mm256_load_ps(s);
+      const __m256 sv = _mm256_blendv_ps(
+          minus_inf, _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(p.scale)), valid);
       const float new_max = std::max(out.max[j], hmax(sv));
       const float correction = std::exp(out.max[j] - new_max);  // 0 on the first keys
-      const __m256 valid = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
       const __m256 e = _mm256_and_ps(valid, exp_ps(_mm256_sub_ps(sv, _mm256_set1_ps(new_max))));
       _mm256_store_ps(probs[j], e);
       out.sum[j] = out.sum[j] * correction + hsum(e);
@@ -87,16 +97,26 @@ void attend_chunk(const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t
         }
       }
     }
-    // probs . V: each V row loaded once for the group's G heads.
+    // probs . V: each V row loaded once for the group's G heads, in kSets interleaved sums
+    // per head so that few heads still keep several multiply-adds in flight (a padded
+    // key's probability is 0: all kKeys rows are summed).
+    constexpr int kSets = kG == 0 ? 1 : kG <= 2 ? 4 : kG <= 4 ? 2 : 1;
     for (int64_t c = 0; c < vecs; ++c) {
-      __m256 acc[kG > 0 ? kG : kMaxGroup];
-      for (int64_t j = 0; j < G; ++j) acc[j] = _mm256_loadu_ps(out.acc + j * D + c * kLanes);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m256 vv = _mm256_loadu_ps(vrow[t] + c * kLanes);
+      __m256 acc[kSets][kG > 0 ? kG : kMaxGroup];
+      for (int u = 0; u < kSets; ++u)
         for (int64_t j = 0; j < G; ++j)
-          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(probs[j][t]), vv, acc[j]);
+          acc[u][j] = u ? _mm256_setzero_ps() : _mm256_loadu_ps(out.acc + j * D + c * kLanes);
+      for (int64_t t = 0; t < kKeys; t += kSets)
+        for (int u = 0; u < kSets; ++u) {
+          const __m256 vv = _mm256_loadu_ps(vrow[t + u] + c * kLanes);
+          for (int64_t j = 0; j < G; ++j)
+            acc[u][j] = _mm256_fmadd_ps(_mm256_set1_ps(probs[j][t + u]), vv, acc[u][j]);
+        }
+      for (int64_t j = 0; j < G; ++j) {
+        __m256 sum = acc[0][j];
+        for (int u = 1; u < kSets; ++u) sum = _mm256_add_ps(sum, acc[u][j]);
+        _mm256_storeu_ps(out.acc + j * D + c * kLanes, sum);
       }
-      for (int64_t j = 0; j < G; ++j) _mm256_storeu_ps(out.acc + j * D + c * kLanes, acc[j]);
     }
   }
 }
