@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+from engine.attention import get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import reference_paged_attention
 from engine.attention.sdpa import SdpaBackend
@@ -19,7 +19,6 @@ from engine.models.llama import apply_rotary, rms_norm
 from tests.engine.gguf_models import write_mixed_gguf
 from tests.engine.test_attention import attend, make_batch, random_shapes
 from tests.engine.test_decode_stack import _assert_stack_equals_python_layers, _Counted
-from tests.engine.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the float32 kernels need AVX2")
 
