@@ -14,7 +14,7 @@ from engine.kernels import (
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 if not cpu_kernels_supported():
-    print("CPU kernels: not built (this CPU has no AVX512-BF16; torch's ops serve)")
+    print("CPU kernels: AVX-512 build skipped (this CPU has no AVX512-BF16: bf16 takes torch's ops)")
 elif cpu_kernels() is None:
     print("CPU kernels: build failed (see the warning above); torch's ops serve")
 else:
@@ -24,4 +24,4 @@ if not cpu_flags() >= GGML_KERNEL_FLAGS:
 elif ggml_kernels() is None:
     print("GGUF kernels: build failed (see the warning above); GGUF weights are dequantized")
 else:
-    print("GGUF kernels: built")
+    print("GGUF kernels: built (with the float32 layer ops and decode stack that serve them)")

@@ -236,7 +236,12 @@ def _architecture(
         "quantization": quantization,
         # One backend object for all layers: the runner prepares it once per step.
         "attn_backend": get_attention_backend(
-            attn_backend, num_heads, num_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+            attn_backend,
+            num_heads,
+            num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
             quantization=quantization,
         ),
     }
