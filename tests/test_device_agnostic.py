@@ -90,6 +90,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a kernel choice, not placement: the kernels are CPU code; a model on another device "
         "runs its matmuls, attention and small ops through torch, tested equal to them"
     ),
+    ("engine/kernels/__init__.py", "layer_kernels", 'device string "cpu"'): (
+        "a kernel choice, not placement: the float32 layer kernels are CPU code; a GGUF on "
+        "another device is dequantized and runs through torch, tested equal to them"
+    ),
     ("engine/kernels/__init__.py", "host_kernels", 'device string "cpu"'): (
         "a kernel choice, not placement: the grammar mask's AVX-512 kernel is CPU code; "
         "logits on another device take xgrammar's apply, tested equal to it"
