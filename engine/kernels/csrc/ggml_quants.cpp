@@ -688,8 +688,9 @@ void groups_dot_q4_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {  // chunk j: sub-blocks 2j (low nibbles), 2j + 1 (high)
-        _mm_prefetch((const char*)(qs + kQ4KColumn + 256 * j), _MM_HINT_T0);
-        _mm_prefetch((const char*)(qs + kQ4KColumn + 256 * j + 128), _MM_HINT_T0);
+        // The column after next, every line of it (every other line: 1.24x slower).
+        for (int k = 0; k < 256; k += 64)
+          _mm_prefetch((const char*)(qs + 2 * kQ4KColumn + 256 * j + k), _MM_HINT_T0);
         __m256i lo_sum[MT], hi_sum[MT];
         for (int m = 0; m < MT; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
         for (int t = 0; t < 8; ++t) {
