@@ -4,6 +4,7 @@ kernels have them) equal the torch ops they replace, and serve a GGUF's float32 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,16 +120,26 @@ def test_paged_decode_kernel_rejects_what_it_cannot_attend():
         kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)
 
 
-@pytest.fixture
-def float32_gguf_llm(tmp_path, monkeypatch):
-    """A GGUF of every kernel type served as `auto` does on a CPU without AVX512-BF16:
-    float32 activations on its blocks (forced where this CPU has AVX512-BF16, whose
-    module carries the float32 kernels too)."""
-    monkeypatch.setattr("engine.config.cpu_kernels", lambda: None)
-    gguf = write_mixed_gguf(tmp_path / "mixed.gguf", layers=3)
-    llm = LLM(model=str(gguf), cache_dir=str(tmp_path), num_blocks=32)
+@pytest.fixture(scope="module")
+def float32_gguf(tmp_path_factory) -> Path:
+    """A GGUF of every type the kernels multiply (3 of the mixed file's layers)."""
+    return write_mixed_gguf(tmp_path_factory.mktemp("f32") / "mixed.gguf", layers=3)
+
+
+def _float32_llm(gguf: Path, **options) -> LLM:
+    """The GGUF served as `auto` does on a CPU without AVX512-BF16: float32 activations on
+    its blocks (forced where this CPU has AVX512-BF16, whose module carries the float32
+    kernels too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.config.cpu_kernels", lambda: None)
+        llm = LLM(model=str(gguf), cache_dir=str(gguf.parent), num_blocks=32, **options)
     assert llm.engine.model.dtype == torch.float32
     return llm
+
+
+@pytest.fixture(scope="module")
+def float32_gguf_llm(float32_gguf) -> LLM:
+    return _float32_llm(float32_gguf)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -139,15 +150,14 @@ def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, 
     _assert_stack_equals_python_layers(float32_gguf_llm, batch)
 
 
-def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf_llm, tmp_path):
+def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf):
     """Greedy tokens through the decode stack and fused ops equal those of torch's ops
     on the same blocks (SDPA attention, no fused ops): only summation order differs."""
-    llm = float32_gguf_llm
+    llm = _float32_llm(float32_gguf)
     stack, max_rows = llm.engine.model.decode_stack
     counted = _Counted(stack)
     llm.engine.model.decode_stack = (counted, max_rows)
-    plain = LLM(model=str(tmp_path / "mixed.gguf"), cache_dir=str(tmp_path), num_blocks=32,
-                attention_backend="sdpa")  # fmt: skip
+    plain = _float32_llm(float32_gguf, attention_backend="sdpa")
     plain.engine.model.fused_ops = None
     assert plain.engine.model.decode_stack is None
     prompts = [[5, 6, 7, 8], list(range(300, 340))]

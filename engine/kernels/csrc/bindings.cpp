@@ -1,6 +1,8 @@
 // The CPU kernels as one Python module (engine/kernels/__init__.py builds and loads it): every
 // kernel where PAGEDSERVE_BF16_KERNELS is defined (AVX512-BF16), else the GGUF kernels and
 // the float32 layer ops and decode stack (AVX2).
+#include <torch/extension.h>
+
 #include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -2,7 +2,7 @@
 // (bindings.cpp); the decode stack calls them for a GGUF's projections.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and Python triple a file's build time
 
 #include <tuple>
 #include <vector>

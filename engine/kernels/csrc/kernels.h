@@ -6,7 +6,7 @@
 // (dispatch.cpp); bf16 in the AVX2 build is an error.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and Python triple a file's build time
 
 #include <tuple>
 

@@ -14,7 +14,7 @@
 // are merged exactly through their log-sum-exp, as flash-decoding does.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and Python triple a file's build time
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 // (dequantized in registers: q * scale, rounded to bf16, then the same bf16 dot product),
 // or int4: llama.cpp's Q4_1 shape, w = d * q + m with q in 0..15 and a float32 d and m per
 // 32 weights of a row (see Int4Weights).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: pybind11 and Python triple a file's build time
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
