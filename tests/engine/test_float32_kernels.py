@@ -150,10 +150,10 @@ def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, 
     _assert_stack_equals_python_layers(float32_gguf_llm, batch)
 
 
-def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf):
+def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf, float32_gguf_llm):
     """Greedy tokens through the decode stack and fused ops equal those of torch's ops
     on the same blocks (SDPA attention, no fused ops): only summation order differs."""
-    llm = _float32_llm(float32_gguf)
+    llm = float32_gguf_llm
     stack, max_rows = llm.engine.model.decode_stack
     counted = _Counted(stack)
     llm.engine.model.decode_stack = (counted, max_rows)
@@ -164,5 +164,6 @@ def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm.engine.model.decode_stack = (stack, max_rows)
     assert got == want and all(len(t) == 16 for t in got)
     assert counted.calls >= 14
