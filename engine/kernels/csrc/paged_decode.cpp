@@ -147,17 +147,9 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q and the caches must be bfloat16");
   auto attend = [](const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t end,
                    Partial part) {
-    switch (p.group) {  // the common grouped-query shapes, compiled for their group size
-      case 1: attend_chunk<1>(p, r, g, begin, end, part); break;
-      case 2: attend_chunk<2>(p, r, g, begin, end, part); break;
-      case 3: attend_chunk<3>(p, r, g, begin, end, part); break;
-      case 4: attend_chunk<4>(p, r, g, begin, end, part); break;
-      case 5: attend_chunk<5>(p, r, g, begin, end, part); break;
-      case 6: attend_chunk<6>(p, r, g, begin, end, part); break;
-      case 7: attend_chunk<7>(p, r, g, begin, end, part); break;
-      case 8: attend_chunk<8>(p, r, g, begin, end, part); break;
-      default: attend_chunk<0>(p, r, g, begin, end, part); break;
-    }
+    paged_decode::with_group(p.group, [&](auto group) {
+      attend_chunk<decltype(group)::value>(p, r, g, begin, end, part);
+    });
   };
   return paged_decode::run<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                          kLanes, attend);

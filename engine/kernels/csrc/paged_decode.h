@@ -21,6 +21,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace paged_decode {
@@ -51,6 +52,24 @@ struct Problem {
   int64_t heads, kv_heads, dim, group, block_size, max_blocks;
   float scale;
 };
+
+// f(std::integral_constant<int, G>) for the common grouped-query shapes (query heads per
+// KV head 1-8), compiled for their group size so that per-head accumulators live in
+// registers; G = 0 (read p.group at run time) for the others.
+template <typename F>
+void with_group(int64_t group, F f) {
+  switch (group) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 0>{}); break;
+  }
+}
 
 // Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
 // every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
