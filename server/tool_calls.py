@@ -31,7 +31,6 @@ from server.protocol import (
 from server.tool_parsers import (
     CallArrayStream,
     HermesStream,
-    parse_call_array,
     parse_hermes,
 )
 from server.tool_parsers import ToolCall as ParsedCall
@@ -133,10 +132,9 @@ class ToolCallReader:
             call = ParsedCall(self._name, text, self._id)
             return ChatMessage(tool_calls=[_out(call)])
         if self.mode == "required":
-            try:
-                return ChatMessage(tool_calls=[_out(c) for c in parse_call_array(text)])
-            except ValueError:  # cut short (finish_reason "length"): the text as it is
-                return ChatMessage(content=text)
+            # The calls that closed, as the stream delivers them: all of them, or those
+            # before max_tokens cut the array (finish_reason "length" says it was cut).
+            return ChatMessage(tool_calls=[_out(c) for c in CallArrayStream().feed(text)])
         content, calls = parse_hermes(text)
         return ChatMessage(content=content, tool_calls=[_out(c) for c in calls])
 

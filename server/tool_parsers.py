@@ -141,22 +141,8 @@ class HermesStream:
         return rest, []
 
 
-def parse_call_array(text: str) -> list[ToolCall]:
-    """The calls of a complete JSON array of {name, parameters|arguments} objects.
-
-    ValueError naming what is wrong when the text is not such an array.
-    """
-    try:
-        value = json_body.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"tool calls are not valid JSON: {exc}") from exc
-    if not isinstance(value, list):
-        raise ValueError(f"tool calls must be a JSON array, got {type(value).__name__}")
-    return [_call_from_object(item) for item in value]
-
-
 class CallArrayStream:
-    """Incremental splitter for the JSON array of calls.
+    """Incremental splitter for the JSON array of calls (the whole text is one delta).
 
     feed(delta) -> the calls whose object closed in this delta. A structural fault that more
     text cannot fix (no '[' first, no ',' or ']' after an element, an element that is not a

@@ -209,6 +209,39 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(default_server, 
     assert all(c["id"].startswith("call_") for c in streamed)
 
 
+BOOK_TABLE = {
+    "type": "function",
+    "function": {
+        "name": "book_table",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "people": {"type": "integer", "minimum": 1, "maximum": 12},
+                "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+            },
+            "required": ["people", "time"],
+        },
+    },
+}
+
+
+def test_required_calls_cut_by_max_tokens_are_the_same_streamed_or_not(default_server):
+    """The default model repeats book_table calls until max_tokens cuts the array: both forms
+    return the calls that closed, with finish_reason "length" saying the array was cut."""
+    kwargs: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Table for 4 at 19:30 please"}],
+        "tools": [BOOK_TABLE], "tool_choice": "required", "max_tokens": 100,
+    }  # fmt: skip
+    whole = chat(default_server, **kwargs).choices[0]
+    streamed, finish, content = reassemble(chat(default_server, stream=True, **kwargs))
+    assert whole.finish_reason == finish == "length"
+    assert whole.message.content is None and content == ""
+    assert len(whole.message.tool_calls) >= 2, whole.message
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
+
+
 def test_tool_choice_none_ignores_tools(default_server):
     plain = chat(default_server, max_tokens=12)
     with_tools = chat(default_server, max_tokens=12, tools=TOOLS, tool_choice="none")
