@@ -23,8 +23,8 @@ bench.dtype_step`; the kernels' own figures are in `engine/kernels/csrc/skinny_g
   blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
   `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
   `ggml_linear` multiplies them on int8-quantized activations, as llama.cpp computes.
-  Q4_0, Q8_0, Q4_K and Q6_K are regrouped 8 rows at a time at load, a layout whose kernel
-  (512 bits wide on AVX-512) also serves prefill; bf16 calls of more than
+  Q4_0, Q5_0, Q8_0, Q4_K and Q6_K are regrouped 8 rows at a time at load, a layout whose
+  kernel (512 bits wide on AVX-512) also serves prefill; bf16 calls of more than
   `GGML_DOT_MAX_ROWS` rows on other formats dequantize the blocks to bf16 for the call and
   take torch's GEMM. A projection with any part in another format is dequantized whole.
 * anything else (CUDA): ``F.linear`` on ``[out, in]``, which cuBLAS handles either way.
@@ -230,8 +230,8 @@ class Linear(nn.Module):
         module docstring)."""
         if self.blocks and not self.dense_rows:  # all in kernel formats: keep the blocks
             parts = [self.blocks[row] for row in sorted(self.blocks)]
-            # Each part in the layout its kernel reads fastest (Q4_0, Q8_0, Q4_K, Q6_K: regrouped
-            # by 8 rows).
+            # Each part in the layout its kernel reads fastest (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K:
+            # regrouped by 8 rows).
             packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
             regrouped = [qtype != int(p.type) for p, (_, qtype) in zip(parts, packed, strict=True)]
             for part, copied in zip(parts, regrouped, strict=True):

@@ -76,21 +76,21 @@ def test_linear_matches_the_dequantized_weights(qtype, dtype):
 
 
 # The regrouped layouts' bytes per 8-row group and block column (Q4_Kx8 unpacks the scales).
-REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q8_0: (736, 34 * 8), T.Q4_K: (512, 148 * 8),
-             T.Q6_K: (512, 210 * 8)}  # fmt: skip
+REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q5_0: (736, 22 * 8), T.Q8_0: (736, 34 * 8),
+             T.Q4_K: (512, 148 * 8), T.Q6_K: (512, 210 * 8)}  # fmt: skip
 
 
 @pytest.mark.parametrize("source", list(REGROUPED), ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dtype):
-    # ggml_repack regroups Q4_0, Q8_0, Q4_K and Q6_K 8 rows at a time for the kernel: the
+    # ggml_repack regroups Q4_0, Q5_0, Q8_0, Q4_K and Q6_K 8 rows at a time for the kernel: the
     # same weights (bit for bit), and products that differ from the plain layout's only in
     # float summation order.
     cols, column_bytes = REGROUPED[source]
     # 56 rows: pairs of 8-row groups and one group alone (AVX-512's wide path and its rest)
     blocks = torch.from_numpy(random_blocks(source, 56, cols, np.random.default_rng(9)))
     grouped, qtype = ggml_kernels().ggml_repack(blocks, int(source), cols)
-    columns = cols // (32 if source in (T.Q4_0, T.Q8_0) else 256)
+    columns = cols // (256 if source in (T.Q4_K, T.Q6_K) else 32)
     assert qtype != int(source) and grouped.shape == (7, columns * column_bytes)
     plain = ggml_kernels().ggml_dequantize(blocks, int(source), cols)
     assert torch.equal(ggml_kernels().ggml_dequantize(grouped, qtype, cols), plain)
@@ -138,7 +138,7 @@ def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
 
 
 def test_regrouped_blocks_take_their_int8_kernel_at_any_size():
-    # Q4_0, Q8_0, Q4_K and Q6_K regrouped: their kernel beats dequantizing for a GEMM at
+    # Q4_0, Q5_0, Q8_0, Q4_K and Q6_K regrouped: their kernel beats dequantizing for a GEMM at
     # prefill sizes too, so every call takes it (close to the dense product, never equal).
     parts = [(T.Q4_K, 16), (T.Q6_K, 8), (T.Q4_0, 16), (T.Q8_0, 8)]
     linear, dense = _gguf_linear(parts, seed=6)
@@ -146,7 +146,7 @@ def test_regrouped_blocks_take_their_int8_kernel_at_any_size():
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     assert not torch.equal(linear(x), torch.nn.functional.linear(x, dense.bfloat16()))
     assert _relative_error(linear(x), x.float() @ dense.T) < 0.015
-    mixed, _ = _gguf_linear([(T.Q4_K, 16), (T.Q5_0, 8)], seed=7)  # one part not regrouped
+    mixed, _ = _gguf_linear([(T.Q4_K, 16), (T.Q5_K, 8)], seed=7)  # one part not regrouped
     assert mixed.kernel_max_rows == GGML_DOT_MAX_ROWS
 
 

@@ -2,7 +2,7 @@
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
-// Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
+// Q5_0, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
 //
 // * `ggml_dequantize`: the float32 weights, computed exactly as ggml and the `gguf`
 //   package define them (same products in the same order; this file is compiled with
@@ -57,6 +57,12 @@ constexpr int64_t Q6_Kx8 = 1000 + Q6_K;
 // stored plus 128 (its sign bit flipped) so the integer dot product, which takes one
 // unsigned side, reads them as they are: (q + 128) . x - 128 sum x = q . x.
 constexpr int64_t Q8_0x8 = 1000 + Q8_0;
+// Q5_0 too (Q5_0x8), as Q4_0x8 with the fifth bits after the quant bytes: per block column
+// the 8 rows' f16 d (16 bytes), their 16 quant bytes interleaved as Q4_0x8's, then at 144
+// 4 bytes a row (144 + 4 r) of fifth bits laid out for the kernel's u[j] (values
+// x_at(j)..x_at(j) + 3 of each row): bit j of byte k is the fifth bit of value x_at(j) + k,
+// so one shift and one mask put it at 0x10 beside the nibble. As large as the file's.
+constexpr int64_t Q5_0x8 = 1000 + Q5_0;
 constexpr int64_t kGroupRows = 8;
 constexpr int64_t kQ4KColumn = 1184;  // bytes per super-block column of a Q4_Kx8 group
 constexpr int64_t kQ6KColumn = 1680;  // and of a Q6_Kx8 group
@@ -80,6 +86,7 @@ Format format_of(int64_t type) {
     case Q6_K: return {256, 210};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
     case Q8_0x8: return {32, 34 * kGroupRows};
+    case Q5_0x8: return {32, 22 * kGroupRows};
     case Q4_Kx8: return {256, kQ4KColumn};
     case Q6_Kx8: return {256, kQ6KColumn};
   }
@@ -87,7 +94,8 @@ Format format_of(int64_t type) {
 }
 
 inline bool grouped(int64_t type) {
-  return type == Q4_0x8 || type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8;
+  return type == Q4_0x8 || type == Q5_0x8 || type == Q8_0x8 || type == Q4_Kx8 ||
+         type == Q6_Kx8;
 }
 
 // Rows of weights that `w`'s first dimension holds (groups of 8 once repacked).
@@ -225,6 +233,23 @@ void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t
       for (int j = 0; j < 8; ++j)
         for (int k = 0; k < 4; ++k) block[2 + 4 * j + k] = column[16 + 32 * j + 4 * r + k] ^ 0x80;
       dequantize_block(Q8_0, block, y + b * QK);
+    }
+    return;
+  }
+  if (type == Q5_0x8) {
+    uint8_t block[22];
+    for (int64_t b = 0; b < cols / QK; ++b) {
+      const uint8_t* column = group + b * 22 * kGroupRows;
+      const uint8_t* fifth = column + 144 + 4 * r;
+      uint32_t qh = 0;
+      for (int v = 0; v < 32; ++v) {  // value v sits in u[j], byte k (see Q5_0x8)
+        const int j = v < 16 ? v / 4 : 4 + (v - 16) / 4, k = v % 4;
+        qh |= (uint32_t)((fifth[k] >> j) & 1) << v;
+      }
+      std::memcpy(block, column + 2 * r, 2);
+      std::memcpy(block + 2, &qh, 4);
+      for (int j = 0; j < 4; ++j) std::memcpy(block + 6 + 4 * j, column + 16 + 32 * j + 4 * r, 4);
+      dequantize_block(Q5_0, block, y + b * QK);
     }
     return;
   }
@@ -599,17 +624,28 @@ inline void store8(at::BFloat16* y, __m256 v) {
   for (int i = 0; i < 8; ++i) y[i] = at::BFloat16(t[i]);
 }
 
-// Repacked Q4_0 or Q8_0 (see Q4_0x8, Q8_0x8): MT activation rows against weight rows
-// [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones activation bytes
-// `x_at<Q8>(j)` multiply: Q8_0's stored bytes as they are; Q4_0's low nibbles (values
-// 4j..4j+3) for j < 4, high nibbles (16 + 4j..) after.
-template <bool Q8>
-constexpr int x_at(int j) {
-  return Q8 || j < 4 ? 4 * j : 16 + 4 * (j - 4);
+// Repacked Q4_0, Q5_0 or Q8_0 (see Q4_0x8, Q5_0x8, Q8_0x8): MT activation rows against
+// weight rows [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones activation
+// bytes `x_at<L>(j)` multiply: Q8_0's stored bytes as they are; Q4_0's low nibbles (values
+// 4j..4j+3) for j < 4, high nibbles (16 + 4j..) after; Q5_0's the same with their fifth bits.
+enum class Legacy { Q4, Q5, Q8 };
+template <Legacy L>
+constexpr int64_t column_bytes() {  // per block column of a group
+  return (L == Legacy::Q8 ? 34 : L == Legacy::Q5 ? 22 : 18) * kGroupRows;
 }
-template <bool Q8>
-constexpr int32_t x_offset() {  // the stored values' offset: Q4_0's 8, Q8_0's 128
-  return Q8 ? 128 : 8;
+template <Legacy L>
+constexpr int x_at(int j) {
+  return L == Legacy::Q8 || j < 4 ? 4 * j : 16 + 4 * (j - 4);
+}
+template <Legacy L>
+constexpr int32_t x_offset() {  // the stored values' offset: Q4_0's 8, Q5_0's 16, Q8_0's 128
+  return L == Legacy::Q8 ? 128 : L == Legacy::Q5 ? 16 : 8;
+}
+// Q5_0x8's fifth bits for u[j], at 0x10 of each byte (see Q5_0x8): bit j moved to bit 4.
+// 16-bit shifts by at most 4 keep bit 4 of each byte within its own byte.
+inline __m256i fifth_bits_of(__m256i h, int j) {
+  const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
 // Without VNNI the integer dot is maddubs, whose int16 pair sums saturate: Q8_0's bytes
@@ -621,10 +657,11 @@ constexpr bool kSignedQ8 = false;
 constexpr bool kSignedQ8 = true;
 #endif
 
-template <bool Q8, int MT, typename Out>
+template <Legacy L, int MT, typename Out>
 void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                        const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  const int64_t blocks = K / QK, column = (Q8 ? 34 : 18) * kGroupRows;
+  constexpr bool Q8 = L == Legacy::Q8;
+  const int64_t blocks = K / QK, column = column_bytes<L>();
   const __m256i low = _mm256_set1_epi8(0xF);
   for (int64_t n = n0; n < n1; n += kGroupRows) {
     const uint8_t* group = w + (n / kGroupRows) * group_bytes;
@@ -650,6 +687,10 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
           u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
       }
+      if constexpr (L == Legacy::Q5) {
+        const __m256i h = load32(c + 144);
+        for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], fifth_bits_of(h, j));
+      }
       for (int m = 0; m < MT; ++m) {
         const XBlock* xb = x + m * xstride + b;
         __m256i sum;
@@ -658,8 +699,8 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
           for (int j = 0; j < 8; ++j)
             sum = _mm256_add_epi32(sum, dot_us(u[j], _mm256_sign_epi8(broadcast4(xb->q + 4 * j), q[j])));
         } else {
-          sum = _mm256_set1_epi32(-x_offset<Q8>() * xb->qsum);  // (q - o) . x
-          for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<Q8>(j)));
+          sum = _mm256_set1_epi32(-x_offset<L>() * xb->qsum);  // (q - o) . x
+          for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<L>(j)));
         }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                  _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[m]);
@@ -947,10 +988,11 @@ void pairs_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n
   if (n < n1) groups_dot_q6_k<MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
 }
 
-template <bool Q8, int MT, typename Out>
+template <Legacy L, int MT, typename Out>
 void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                       const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  const int64_t blocks = K / QK, column = (Q8 ? 34 : 18) * kGroupRows;
+  constexpr bool Q8 = L == Legacy::Q8;
+  const int64_t blocks = K / QK, column = column_bytes<L>();
   const __m512i low = _mm512_set1_epi8(0xF);
   int64_t n = n0;
   for (; n + 2 * kGroupRows <= n1; n += 2 * kGroupRows) {
@@ -973,12 +1015,19 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
           u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
       }
+      if constexpr (L == Legacy::Q5) {  // as groups_dot_legacy's fifth_bits_of
+        const __m512i h = load_pair(c0 + 144, c1 + 144), bit4 = _mm512_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) {
+          const __m512i moved = j <= 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
+          u[j] = _mm512_or_si512(u[j], _mm512_and_si512(moved, bit4));
+        }
+      }
       for (int m = 0; m < MT; ++m) {
         const XBlock* xb = x + m * xstride + b;
-        __m512i sum = _mm512_set1_epi32(-x_offset<Q8>() * xb->qsum);
+        __m512i sum = _mm512_set1_epi32(-x_offset<L>() * xb->qsum);
         for (int j = 0; j < 8; ++j) {
           int32_t q;
-          std::memcpy(&q, xb->q + x_at<Q8>(j), 4);
+          std::memcpy(&q, xb->q + x_at<L>(j), 4);
           sum = _mm512_dpbusd_epi32(sum, u[j], _mm512_set1_epi32(q));
         }
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
@@ -987,7 +1036,7 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
     }
     for (int m = 0; m < MT; ++m) store16(y + m * ldy + n, acc[m]);
   }
-  if (n < n1) groups_dot_legacy<Q8, MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
+  if (n < n1) groups_dot_legacy<L, MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
 }
 #endif
 
@@ -1032,7 +1081,7 @@ void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a
 template <typename Out>
 void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, Out* y, int64_t ldy) {
-  const int64_t xstride = K / (s.type == Q4_0x8 || s.type == Q8_0x8 ? QK : QKK);
+  const int64_t xstride = K / (s.type == Q4_Kx8 || s.type == Q6_Kx8 ? QKK : QK);
   int64_t m = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   // Tiles of 4-8 rows by pairs of groups; under 4 rows (decode) 8 lanes wide is faster:
@@ -1042,8 +1091,9 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
     const XBlock* x = a.x32.data() + m * xstride;
     const XBlockK* xk = a.x256.data() + m * xstride;
 #define PAIRS(MT)                                                                              \
-  s.type == Q4_0x8   ? pairs_dot_legacy<false, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
-  : s.type == Q8_0x8 ? pairs_dot_legacy<true, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
+  s.type == Q4_0x8   ? pairs_dot_legacy<Legacy::Q4, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q5_0x8 ? pairs_dot_legacy<Legacy::Q5, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q8_0x8 ? pairs_dot_legacy<Legacy::Q8, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q4_Kx8 ? pairs_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : pairs_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
     switch (std::min<int64_t>(8, M - m)) {
@@ -1061,8 +1111,9 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
     const XBlockK* xk = a.x256.data() + m * xstride;
     Out* o = y + s.col0 + m * ldy;
 #define GROUPS(MT)                                                                              \
-  s.type == Q4_0x8   ? groups_dot_legacy<false, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
-  : s.type == Q8_0x8 ? groups_dot_legacy<true, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)  \
+  s.type == Q4_0x8   ? groups_dot_legacy<Legacy::Q4, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q5_0x8 ? groups_dot_legacy<Legacy::Q5, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q8_0x8 ? groups_dot_legacy<Legacy::Q8, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q4_Kx8 ? groups_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : groups_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
     switch (std::min<int64_t>(kTile, M - m)) {
@@ -1080,6 +1131,7 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
                  int64_t K, Out* y, int64_t ldy) {
   switch (s.type) {
     case Q4_0x8:
+    case Q5_0x8:
     case Q8_0x8:
     case Q4_Kx8:
     case Q6_Kx8: return group_rows(s, n0, n1, a, M, K, y, ldy);
@@ -1201,6 +1253,26 @@ void repack_q4_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
   }
 }
 
+void repack_q5_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  constexpr int64_t column = 22 * kGroupRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * column;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 22;
+      uint32_t qh;
+      std::memcpy(&qh, block + 2, 4);
+      std::memcpy(c + 2 * r, block, 2);
+      for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 6 + 4 * j, 4);
+      uint8_t* fifth = c + 144 + 4 * r;
+      std::memset(fifth, 0, 4);
+      for (int v = 0; v < 32; ++v) {  // value v sits in u[j], byte k (see Q5_0x8)
+        const int j = v < 16 ? v / 4 : 4 + (v - 16) / 4, k = v % 4;
+        fifth[k] |= (uint8_t)(((qh >> v) & 1) << j);
+      }
+    }
+  }
+}
+
 void repack_q8_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
   constexpr int64_t column = 34 * kGroupRows;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -1251,12 +1323,13 @@ void repack_q6_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
 
 }  // namespace
 
-// A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0 and
-// Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q8_0x8, Q4_Kx8, Q6_Kx8);
-// anything else as it is.
+// A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0,
+// Q5_0, Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q5_0x8, Q8_0x8,
+// Q4_Kx8, Q6_Kx8); anything else as it is.
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols) {
   check_blocks(w, type, cols);
-  const bool regroups = type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  const bool regroups =
+      type == Q4_0 || type == Q5_0 || type == Q8_0 || type == Q4_K || type == Q6_K;
   if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
@@ -1268,6 +1341,7 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       (type == Q4_0   ? repack_q4_0
+       : type == Q5_0 ? repack_q5_0
        : type == Q8_0 ? repack_q8_0
        : type == Q4_K ? repack_q4_k
                       : repack_q6_k)(src, stride, blocks, dst + g * group_bytes, g);
