@@ -7,7 +7,8 @@ engine.kernels``) lands in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``, under a name keyed by the environment: two virtualenvs
 sharing that cache would otherwise rebuild it in turn, each build waiting on the other's
 lock. A build killed half-way (SIGKILL, power loss) leaves nothing that blocks or breaks the
-next start: see `_build_lock` and `_drop_unverified`.
+next start: see `_build_lock` and `_drop_unverified`. ``PAGEDSERVE_CPU_KERNELS=off`` builds
+and loads none: torch's ops serve (to rule the kernels out, or where no build should run).
 
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
@@ -119,9 +120,21 @@ def _build_lock(directory: Path) -> Iterator[None]:
         yield
 
 
+SWITCH = "PAGEDSERVE_CPU_KERNELS"
+
+
+def switched_off() -> bool:
+    return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def _build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | None:
-    """Compile (once, cached by torch) and load an extension; None where that fails."""
+    """Compile (once, cached by torch) and load an extension; None where that fails or
+    $PAGEDSERVE_CPU_KERNELS says off."""
     from torch.utils.cpp_extension import load
+
+    if switched_off():
+        logger.info("CPU kernels %s off ($%s): using torch's ops", name, SWITCH)
+        return None
 
     env = hashlib.sha256(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
     full_name = f"{name}_{env}"

@@ -13,7 +13,11 @@ directory:
   default model is reused: the step's command still runs and must print that directory;
 - the ENTRYPOINT is started with `--host 127.0.0.1 --port <free>` appended, as
   `docker run IMAGE --flags` would append them, then /health, the HEALTHCHECK command,
-  a completion, /metrics, and a SIGTERM (what `docker stop` sends).
+  a completion, /metrics, and a SIGTERM (what `docker stop` sends). It runs with
+  PAGEDSERVE_CPU_KERNELS=off: on a CPU its first start would build the CPU kernels for
+  this venv (a minute or two; the image's GPU path never loads them, and `make` and the
+  kernel tests build them), so the test checks instead that the installed package ships
+  their sources.
 
 pip uses the machine's configured indexes: no extra flags. Takes about two minutes.
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.kernels import CSRC, SOURCES, SWITCH
 from tests.docker.dockerfile import (
     REPO,
     arg_defaults,
@@ -192,6 +197,11 @@ def _check_installed(recipe: Recipe) -> None:
         if name not in ("torch", "pagedserve", "pip") and pins.get(name) != version
     }
     assert not unpinned, f"add to docker/constraints.txt: {unpinned}"
+    # The CPU kernels build from the installed package's sources at a CPU host's first start.
+    installed_csrc = Path(recipe.venv_python("import engine.kernels as k; print(k.CSRC)").strip())
+    assert installed_csrc.is_relative_to(recipe.venv), installed_csrc
+    missing = [s.name for s in CSRC.iterdir() if not (installed_csrc / s.name).is_file()]
+    assert set(SOURCES) <= {s.name for s in CSRC.iterdir()} and not missing, missing
 
 
 def _serve_and_complete(recipe: Recipe, log_path: Path) -> None:
@@ -205,7 +215,7 @@ def _serve_and_complete(recipe: Recipe, log_path: Path) -> None:
     with open(log_path, "w", encoding="utf-8") as log:
         server = subprocess.Popen(
             [*argv, *SERVER_FLAGS],
-            env=recipe.env,
+            env={**recipe.env, SWITCH: "off"},
             cwd=recipe.home,
             stdout=log,
             stderr=subprocess.STDOUT,

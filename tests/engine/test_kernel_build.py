@@ -90,3 +90,10 @@ def test_a_torn_library_is_built_again(tiny):
 def test_the_build_dir_follows_torch_extensions_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert kernels.build_dir("x") == tmp_path / "x"
+
+
+@pytest.mark.parametrize("value", ["off", "0"])
+def test_switched_off_nothing_is_built_and_torch_serves(tiny, value):
+    source, env = tiny
+    assert _answer(source, {**env, kernels.SWITCH: value}) == "answer None"
+    assert not Path(env["TORCH_EXTENSIONS_DIR"]).exists()
