@@ -14,7 +14,9 @@ from engine.kernels import (
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 if not cpu_kernels_supported():
-    print("CPU kernels: AVX-512 build skipped (this CPU has no AVX512-BF16: bf16 takes torch's ops)")
+    print(
+        "CPU kernels: AVX-512 build skipped (this CPU has no AVX512-BF16: bf16 takes torch's ops)"
+    )
 elif cpu_kernels() is None:
     print("CPU kernels: build failed (see the warning above); torch's ops serve")
 else:
