@@ -195,6 +195,11 @@ class GGUFFile:
         etype, count = self._read("<IQ")
         if etype in _SCALARS:  # skipped: the loader needs no array
             self._pos += count * struct.calcsize(_SCALARS[etype])
+        elif etype == 8:  # strings (the vocabulary, its merges): only their lengths read
+            buffer, pos = memoryview(self.data), self._pos
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", buffer, pos)[0]
+            self._pos = pos
         else:
             for _ in range(count):
                 self._value(etype)
