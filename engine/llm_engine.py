@@ -306,6 +306,7 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=self._logprobs.get(req.request_id),
             new_logprobs=new_logprobs,
+            stop_string=detok.stop_string if req.is_finished else None,
         )
         if req.is_finished:
             self._detokenizers.pop(req.request_id, None)

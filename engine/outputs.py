@@ -27,3 +27,4 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
     new_logprobs: list[TokenLogprob] | None = None  # the ones this step added
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")

@@ -20,14 +20,28 @@ from fastapi.routing import APIRoute
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import bad_request, engine_dead, install_error_handlers, shutting_down
+from server.errors import (
+    AnthropicErrorResponse,
+    bad_request,
+    engine_dead,
+    install_error_handlers,
+    shutting_down,
+)
 from server.json_body import read_json_body
+from server.messages import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+    count_tokens,
+    create_message,
+)
 from server.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
 )
-from server.openapi import SSE, install_openapi, responses
+from server.openapi import ANTHROPIC_SSE, SSE, install_openapi, responses
 from server.protocol import (
     LIMIT_KEY,
     ChatCompletionRequest,
@@ -152,6 +166,23 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     )
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(ctx, body, raw_request)
+
+    # Anthropic's Messages API: the chat route's request in Anthropic's shapes.
+    @app.post(
+        "/v1/messages",
+        responses=responses(MessageResponse, *_GENERATION_ERRORS, ok_content=ANTHROPIC_SSE,
+                            error_model=AnthropicErrorResponse),
+    )  # fmt: skip
+    async def messages(body: MessagesRequest, raw_request: Request) -> Response:
+        return await create_message(ctx, body, raw_request)
+
+    @app.post(
+        "/v1/messages/count_tokens",
+        responses=responses(CountTokensResponse, 400, 401, 404, 413,
+                            error_model=AnthropicErrorResponse),
+    )  # fmt: skip
+    async def messages_count_tokens(body: CountTokensRequest) -> Response:
+        return JSONResponse(count_tokens(ctx, body).model_dump())
 
     def model_card() -> ModelCard:
         return ModelCard(

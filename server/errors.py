@@ -1,4 +1,6 @@
-"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`, and on
+Anthropic's routes (/v1/messages...) in its shape: `{"type": "error", "error": {"type",
+"message"}}`.
 
 Every failure the server reports goes through `OpenAIError`, and the handlers
 installed by `install_error_handlers` turn FastAPI's own errors (validation,
@@ -12,7 +14,7 @@ import json
 import logging
 import re
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,12 +55,31 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        fallback = INVALID_REQUEST if self.status_code < 500 else "api_error"
+        kind = _ANTHROPIC_TYPES.get(self.status_code, fallback)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error for a request to `path`: in Anthropic's shape on its routes."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
 
     def sse_event(self) -> str:
         """The error as a server-sent event, for failures after a stream has started."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+# Anthropic's error type for each status its Messages API answers with.
+_ANTHROPIC_TYPES = {
+    400: INVALID_REQUEST, 401: AUTHENTICATION, 403: "permission_error", 404: NOT_FOUND,
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: OVERLOADED,
+}  # fmt: skip
+ANTHROPIC_ROUTES = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
 
 
 class ErrorDetail(BaseModel):
@@ -72,6 +93,18 @@ class ErrorResponse(BaseModel):
     """The body of every error response (its schema in /openapi.json)."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The body of every error response on Anthropic's routes."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 def error_body(
@@ -238,7 +271,7 @@ def log_client_error(method: str, path: str, error: OpenAIError) -> None:
 
 def _answer(request: Request, error: OpenAIError) -> JSONResponse:
     log_client_error(request.method, request.url.path, error)
-    return error.response()
+    return error.response(request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -259,10 +292,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return _answer(request, err)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug, never a user error: log the traceback, tell the client nothing internal.
         logger.exception("unhandled error: %s", exc)
         err = OpenAIError(
             HTTPStatus.INTERNAL_SERVER_ERROR, "Internal server error.", type=SERVER_ERROR
         )
-        return err.response()
+        return err.response(request.url.path)

@@ -53,7 +53,7 @@ def _bearer_token(value: bytes | None) -> bytes | None:
 
 async def _refuse(error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
     log_client_error(scope["method"], scope["path"], error)
-    await error.response()(scope, receive, send)
+    await error.response(scope["path"])(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:

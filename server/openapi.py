@@ -40,12 +40,28 @@ SSE = {
 }
 
 
+# Anthropic's stream: `event: <type>` and `data: <its JSON>` per event, no [DONE].
+ANTHROPIC_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "description": "One server-sent event.",
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+        }
+    }
+}
+
+
 def responses(
-    ok: type[BaseModel] | None, *errors: int, ok_content: dict[str, Any] | None = None
+    ok: type[BaseModel] | None,
+    *errors: int,
+    ok_content: dict[str, Any] | None = None,
+    error_model: type[BaseModel] = ErrorResponse,
 ) -> dict[int | str, dict[str, Any]]:
     """A route's `responses=`: its 200 body model, extra 200 media types, its errors."""
     documented: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+        status: {"model": error_model, "description": _ERROR_DESCRIPTIONS[status]}
         for status in errors
     }
     if ok is not None or ok_content is not None:

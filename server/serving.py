@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,6 +78,9 @@ class ResponseView(Protocol):
     def chunks(self, stream: RequestStream) -> AsyncIterator[str]: ...
 
 
+StreamEvents = Callable[[RequestStream, AsyncIterator[str]], AsyncIterator[str]]
+
+
 def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
     unknown = req.unknown_fields()
     if unknown:
@@ -117,12 +120,14 @@ async def respond(
     view: ResponseView,
     streaming: bool,
     raw_request: Request,
+    events: StreamEvents | None = None,
 ) -> Response:
-    """Submit the requests, then stream the view's chunks or return its whole response."""
+    """Submit the requests, then stream the view's chunks (as `events` frames them,
+    `sse_events` by default) or return its whole response."""
     stream = await submit(ctx, requests)
     if streaming:
         return StreamingResponse(
-            sse_events(stream, view.chunks(stream)),
+            (events or sse_events)(stream, view.chunks(stream)),
             media_type="text/event-stream",
             background=BackgroundTask(stream.abort),  # also when the body never started
         )
@@ -190,22 +195,29 @@ def sse(payload: str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def stream_failures(chunks: AsyncIterator[str]) -> AsyncIterator[str | OpenAIError]:
+    """A view's chunks, then the error that stopped them, if any, to tell the client
+    in-band (the response has started: its status is sent)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineError as exc:
+        yield in_flight_error(exc)
+    except OpenAIError as exc:
+        yield exc
+    except Exception as exc:  # a bug: tell the client in-band, keep the details in the log
+        logger.exception("stream failed: %s", exc)
+        yield OpenAIError(500, "Internal server error.", type="server_error")
+
+
 async def sse_events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """`data: {json}` events, an error event if the engine fails, then `data: [DONE]`.
 
     A disconnect cancels this generator at an await or a yield: `finally` aborts.
     """
     try:
-        try:
-            async for chunk in chunks:
-                yield sse(chunk)
-        except EngineError as exc:
-            yield in_flight_error(exc).sse_event()
-        except OpenAIError as exc:
-            yield exc.sse_event()
-        except Exception as exc:  # a bug: tell the client in-band, keep the details in the log
-            logger.exception("stream failed: %s", exc)
-            yield OpenAIError(500, "Internal server error.", type="server_error").sse_event()
+        async for item in stream_failures(chunks):
+            yield sse(item) if isinstance(item, str) else item.sse_event()
         yield SSE_DONE
     finally:
         stream.abort()

@@ -34,6 +34,7 @@ from schemathesis.engine import Status, events
 
 from engine.structured_output.grammar_cache import GrammarCache
 from server.errors import OpenAIError
+from server.messages import CountTokensRequest, MessagesRequest, chat_request
 from server.protocol import (
     SEED_MAX,
     SEED_MIN,
@@ -135,6 +136,8 @@ def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
     descriptions only.
     """
     model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    if path in MESSAGES_MODELS and isinstance(body, dict):
+        return _messages_break_an_unstated_rule(path, body, tokenizer)
     if path not in model or not isinstance(body, dict):
         return False
     # Not a rule but schemathesis's rounding: it reads the int64 bound 2**63 - 1 through a
@@ -157,6 +160,29 @@ def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
     room = FUZZ_MAX_MODEL_LEN - max(lengths)
     wanted = max(room, 1) if max_tokens is None else max_tokens
     return wanted > room or (req.min_tokens or 0) > wanted
+
+
+MESSAGES_MODELS = {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
+
+
+def _messages_break_an_unstated_rule(path: str, body: dict[str, Any], tokenizer: Any) -> bool:
+    """A Messages request is the chat request it means (server/messages.py): its rules."""
+    try:
+        req = MESSAGES_MODELS[path].model_validate(body)
+    except ValidationError:
+        return False  # refused for a stated rule: schemathesis reports it
+    try:
+        chat = chat_request(req)
+    except OpenAIError:
+        return True
+    if path == "/v1/messages":
+        return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
+    try:  # count_tokens renders the prompt only
+        chat.check_tools()
+        template_tools(chat, tokenizer.chat_template)
+    except OpenAIError:
+        return True
+    return False
 
 
 def _constraint_compiles(req: Any, tokenizer: Any) -> bool:

@@ -1,0 +1,451 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
+
+A Messages request is translated into the chat completions request it means
+(`chat_request`): system and messages become chat messages (`tool_use` blocks an
+assistant turn's tool calls, `tool_result` blocks tool turns), tools and tool_choice
+their chat forms (`any` is "required", `tool` a named function), stop_sequences `stop`.
+From there it is the chat endpoint's request: the same chat template and token ids (so
+a conversation sent through either API renders the same prompt and hits the same cached
+prefix), the same tool-call constraints and readers. Only the answer's shape differs:
+content blocks, Anthropic's stop reasons and usage, its streaming events, and errors as
+`{"type": "error", "error": {"type", "message"}}` (server/errors.py).
+
+`output_config.format` (a JSON schema) is chat's response_format. Sampling fields the
+current SDK no longer sends (temperature, top_p, top_k) are still read, e.g. from
+`extra_body`. Not served (a 400 naming it): image and document blocks, extended thinking.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import RequestOutput
+from server.async_engine import RequestStream
+from server.errors import bad_request
+from server.protocol import (
+    MAX_TOP_K,
+    ChatCompletionRequest,
+    FunctionName,
+    MaxTokens,
+    NonEmptyStr,
+    OpenAIBaseModel,
+    _limit,
+)
+from server.serving import (
+    ServingContext,
+    check_request,
+    compile_constraint,
+    engine_requests_for_prompt,
+    respond,
+    stream_failures,
+)
+from server.tokens import apply_chat_template, encode_chat
+from server.tool_calls import ToolCallReader, output_constraint, template_tools
+
+# ------------------------------------------------------------------- request schemas
+
+
+class TextBlock(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(OpenAIBaseModel):
+    """A tool call of an earlier assistant turn."""
+
+    type: Literal["tool_use"]
+    id: NonEmptyStr
+    name: FunctionName
+    input: dict[str, Any]
+
+
+class ToolResultBlock(OpenAIBaseModel):
+    """What a tool returned, in a user turn."""
+
+    type: Literal["tool_result"]
+    tool_use_id: NonEmptyStr
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+# Tool results come in user turns, tool calls in assistant turns.
+UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class UserMessage(OpenAIBaseModel):
+    role: Literal["user"]
+    content: str | Annotated[list[UserBlock], Field(min_length=1)]
+
+
+class AssistantMessage(OpenAIBaseModel):
+    role: Literal["assistant"]
+    content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
+
+
+MessageParam = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
+
+
+class ThinkingParam(OpenAIBaseModel):
+    """Extended thinking is not served: only `{"type": "disabled"}` is taken."""
+
+    type: Literal["disabled"]
+
+
+class ToolParam(OpenAIBaseModel):
+    name: FunctionName
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoiceParam(OpenAIBaseModel):
+    """`auto` (the model decides), `any` (at least one call), `tool` (that one), `none`."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: FunctionName | None = None  # `tool` only
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(OpenAIBaseModel):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIBaseModel):
+    """Structured outputs: `format` constrains the answer to a JSON schema (chat's
+    response_format json_schema); `effort` is accepted and has no effect here."""
+
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
+# `tool` names one of `tools`; `any` and `tool` need tools (said here for /openapi.json).
+_TOOL_CHOICE_RULES = (
+    {
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "properties": {"type": {"enum": ["any", "tool"]}}}}},
+        "then": {"required": ["tools"],
+                 "properties": {"tools": {"type": "array", "minItems": 1}}},
+    },
+    {
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "properties": {"type": {"const": "tool"}}}}},
+        "then": {"properties": {"tool_choice": {"required": ["name"]}}},
+    },
+)  # fmt: skip
+
+
+class CountTokensRequest(OpenAIBaseModel):
+    """POST /v1/messages/count_tokens: the prompt a Messages request would send."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": list(_TOOL_CHOICE_RULES)})
+
+    model: str = Field(json_schema_extra=_limit("model_id"))
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages. Rules beyond this schema (400 when broken), as for chat: the
+    rendered prompt plus max_tokens fit the context; `tools`' names are distinct and a
+    `tool` choice names one of them; tools without a tool_choice (or `auto`) need a chat
+    template that declares tool support; the output constraint compiles."""
+
+    max_tokens: MaxTokens
+    stop_sequences: list[NonEmptyStr] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None  # e.g. user_id: accepted, not used
+
+
+# ------------------------------------------------------------- the chat request it means
+
+
+def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completions request this Messages request means (see the module doc)."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    for message in req.messages:
+        messages.extend(_chat_messages(message))
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.tools:
+        body["tools"] = [
+            {"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.input_schema}}
+            for t in req.tools
+        ]  # fmt: skip
+    if req.tool_choice is not None:
+        body.update(_chat_tool_choice(req.tool_choice))
+    if isinstance(req, MessagesRequest):
+        body.update(
+            max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature,
+            top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
+        )  # fmt: skip
+        output_format = req.output_config.format if req.output_config else None
+        if output_format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": output_format.json_schema}}  # fmt: skip
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:  # a value valid here but not there: say which
+        raise bad_request(f"Invalid request: {exc.errors()[0]['msg']}") from exc
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _chat_messages(message: UserMessage | AssistantMessage) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages: a user turn's tool results become tool
+    messages (in order, around its text); an assistant turn's tool_use blocks its calls."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    if isinstance(message, AssistantMessage):
+        return [_assistant_message(message.content)]
+    out: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            content = _text(block.content) if block.content is not None else ""
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        elif out and out[-1]["role"] == "user":
+            out[-1]["content"] += block.text
+        else:
+            out.append({"role": "user", "content": block.text})
+    return out
+
+
+def _assistant_message(blocks: list[TextBlock | ToolUseBlock]) -> dict[str, Any]:
+    text, calls = "", []
+    for block in blocks:
+        if isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
+        else:
+            text += block.text
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _chat_tool_choice(choice: ToolChoiceParam) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if choice.type == "tool":
+        if choice.name is None:
+            raise bad_request('tool_choice "tool" needs a `name`.', param="tool_choice.name")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _prompt_ids(ctx: ServingContext, chat: ChatCompletionRequest) -> list[int]:
+    tools = template_tools(chat, getattr(ctx.tokenizer, "chat_template", None))
+    text = apply_chat_template(ctx.tokenizer, chat.conversation(), True, tools)
+    return encode_chat(ctx.tokenizer, text)
+
+
+# ------------------------------------------------------------------------ the routes
+
+
+class MessageUsage(BaseModel):
+    """Anthropic's usage: input_tokens excludes the prompt tokens read from the cache."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request) -> Response:
+    chat = chat_request(req)
+    check_request(ctx, chat, "/v1/messages", num_prompts=1)
+    constraint = output_constraint(chat)
+    prompt_ids = _prompt_ids(ctx, chat)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    structured = await compile_constraint(ctx, constraint)
+    engine_requests = engine_requests_for_prompt(
+        ctx, chat, message_id, 0, prompt_ids, req.max_tokens, None, "messages", structured
+    )
+    view = _MessagesView(ctx, chat, message_id, len(prompt_ids))
+    return await respond(ctx, engine_requests, view, bool(req.stream), raw, events=_events)
+
+
+def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
+    chat = chat_request(req)
+    ctx.check_model(chat.model)
+    chat.check_tools()
+    return CountTokensResponse(input_tokens=len(_prompt_ids(ctx, chat)))
+
+
+def _usage(num_prompt: int, out: RequestOutput) -> MessageUsage:
+    cached = min(out.num_cached_tokens, num_prompt)
+    return MessageUsage(input_tokens=num_prompt - cached, output_tokens=len(out.token_ids),
+                        cache_read_input_tokens=cached)  # fmt: skip
+
+
+def _stop_reason(out: RequestOutput, made_calls: bool) -> str:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    if made_calls:
+        return "tool_use"
+    return "stop_sequence" if out.stop_string is not None else "end_turn"
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+class _MessagesView:
+    """Engine output as a Message, or as Anthropic's stream of events."""
+
+    def __init__(
+        self, ctx: ServingContext, chat: ChatCompletionRequest, message_id: str, num_prompt: int
+    ) -> None:
+        self.chat = chat
+        self.request_id = message_id
+        self.num_prompt = num_prompt
+        self.model = ctx.served_model_name
+        self.created = int(time.time())
+
+    def response(self, finals: dict[str, RequestOutput]) -> MessageResponse:
+        out = finals[f"{self.request_id}-0"]
+        message = ToolCallReader(self.chat).message(out.text)
+        content: list[dict[str, Any]] = []
+        if message.content:
+            content.append({"type": "text", "text": message.content})
+        for call in message.tool_calls or ():
+            content.append({"type": "tool_use", "id": _tool_use_id(call.id),
+                            "name": call.function.name, "input": _input(call.function.arguments)})  # fmt: skip
+        return MessageResponse(
+            id=self.request_id, model=self.model, content=content,
+            stop_reason=_stop_reason(out, bool(message.tool_calls)),
+            stop_sequence=out.stop_string, usage=_usage(self.num_prompt, out),
+        )  # fmt: skip
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+        reader = ToolCallReader(self.chat)
+        blocks = _Blocks()
+        started = False
+        async for out in stream:
+            if not started:
+                started = True
+                usage = _usage(self.num_prompt, out).model_dump()
+                usage["output_tokens"] = 0
+                yield event("message_start", {"type": "message_start", "message": {
+                    "id": self.request_id, "type": "message", "role": "assistant",
+                    "model": self.model, "content": [], "stop_reason": None,
+                    "stop_sequence": None, "usage": usage}})  # fmt: skip
+            delta = reader.feed(out.new_text)
+            for chunk in blocks.events(delta):
+                yield chunk
+            if out.finished:
+                for chunk in blocks.events(reader.finish()):
+                    yield chunk
+                for chunk in blocks.close():
+                    yield chunk
+                reason = _stop_reason(out, reader.made_calls)
+                yield event("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": out.stop_string},
+                    "usage": {"output_tokens": len(out.token_ids)}})  # fmt: skip
+                yield event("message_stop", {"type": "message_stop"})
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is ({} if cut short)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class _Blocks:
+    """Chat deltas (content, tool-call pieces) as content block events: a block opens when
+    its kind of delta first arrives and closes when another kind (or the end) comes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None  # "text" or "tool_use" while a block is open
+
+    def events(self, delta: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if delta.get("content"):
+            if self.kind != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls", ()):
+            if call.get("id"):  # a new call: its own block
+                function = call["function"]
+                out += self._open({"type": "tool_use", "id": _tool_use_id(call["id"]),
+                                   "name": function["name"], "input": {}})  # fmt: skip
+            arguments = call.get("function", {}).get("arguments")
+            if arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _open(self, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.kind = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*out, event("content_block_start", start)]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return event("content_block_delta", body)
+
+
+def event(name: str, payload: dict[str, Any]) -> str:
+    """One server-sent event in Anthropic's form: `event: <type>` then its JSON."""
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The view's events as they are, a failure mid-stream as an `error` event (no
+    `[DONE]`: Anthropic's stream ends with message_stop); leaving aborts, as sse_events."""
+    try:
+        async for item in stream_failures(chunks):
+            yield item if isinstance(item, str) else event("error", item.anthropic_body())
+    finally:
+        stream.abort()
