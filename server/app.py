@@ -41,7 +41,7 @@ from server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
 )
-from server.openapi import ANTHROPIC_SSE, SSE, install_openapi, responses
+from server.openapi import ANTHROPIC_SSE, RESPONSES_SSE, SSE, install_openapi, responses
 from server.protocol import (
     LIMIT_KEY,
     ChatCompletionRequest,
@@ -56,6 +56,14 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     plain_message,
+)
+from server.responses import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    create_response,
+    delete_response,
+    get_response,
 )
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
 from server.tokens import apply_chat_template
@@ -183,6 +191,22 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     )  # fmt: skip
     async def messages_count_tokens(body: CountTokensRequest) -> Response:
         return JSONResponse(count_tokens(ctx, body).model_dump())
+
+    # OpenAI's Responses API: the chat route's request in its shapes, and its stored answers.
+    @app.post(
+        "/v1/responses",
+        responses=responses(ResponseObject, *_GENERATION_ERRORS, ok_content=RESPONSES_SSE),
+    )
+    async def create_responses(body: ResponsesRequest, raw_request: Request) -> Response:
+        return await create_response(ctx, body, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=responses(ResponseObject, 401, 404))
+    async def read_response(response_id: str) -> Response:
+        return JSONResponse(get_response(ctx, response_id))
+
+    @app.delete("/v1/responses/{response_id}", responses=responses(DeletedResponse, 401, 404))
+    async def remove_response(response_id: str) -> Response:
+        return JSONResponse(delete_response(ctx, response_id).model_dump())
 
     def model_card() -> ModelCard:
         return ModelCard(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -31,7 +31,9 @@ from server.protocol import (
     make_usage,
 )
 from server.serving import (
+    ResponseView,
     ServingContext,
+    StreamEvents,
     check_request,
     choice_index,
     clamp_logprob,
@@ -46,21 +48,45 @@ from server.tool_calls import ToolCallReader, finish_reason, output_constraint, 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request
 ) -> Response:
-    check_request(ctx, req, "/v1/chat/completions", num_prompts=1)
-    constraint = output_constraint(req)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def view(num_prompt: int) -> _ChatView:
+        return _ChatView(ctx, req, request_id, num_prompt)
+
+    return await serve_chat(ctx, req, request_id, "/v1/chat/completions", view, raw_request)
+
+
+def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    """The request's messages (and tools, where the template shows them) as token ids."""
     tools = template_tools(req, getattr(ctx.tokenizer, "chat_template", None))
     text = apply_chat_template(
         ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False, tools
     )
-    prompt_ids = encode_chat(ctx.tokenizer, text)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return encode_chat(ctx.tokenizer, text)
+
+
+async def serve_chat(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    endpoint: str,
+    make_view: Callable[[int], ResponseView],
+    raw_request: Request,
+    events: StreamEvents | None = None,
+) -> Response:
+    """A chat request through the engine, answered by the view `make_view(prompt tokens)`
+    makes: the one path of chat completions and of the APIs translated into it (Anthropic's
+    Messages, OpenAI's Responses), so a conversation renders to the same tokens in each."""
+    check_request(ctx, req, endpoint, num_prompts=1)
+    constraint = output_constraint(req)
+    prompt_ids = chat_prompt_ids(ctx, req)
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
         "messages", structured,
     )  # fmt: skip
-    view = _ChatView(ctx, req, request_id, len(prompt_ids))
-    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request)
+    view = make_view(len(prompt_ids))
+    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, events)
 
 
 def chat_logprobs(

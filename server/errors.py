@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,10 @@ def from_value_error(exc: ValueError, default_param: str | None = None) -> OpenA
     first = message.split(" ", 1)[0]
     param = first if first.isidentifier() and first.islower() else default_param
     return bad_request(message, param=param)
+
+
+def not_found(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(HTTPStatus.NOT_FOUND, message, type=NOT_FOUND, param=param)
 
 
 def model_not_found(model: str, served: str) -> OpenAIError:
@@ -274,6 +279,17 @@ def _answer(request: Request, error: OpenAIError) -> JSONResponse:
     return error.response(request.url.path)
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods some route serves at this path (Starlette's 405 names only the first
+    route's, and GET and DELETE /v1/responses/{id} are two routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -288,7 +304,10 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
         if exc.status_code == HTTPStatus.NOT_FOUND:
             kind = NOT_FOUND
-        err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED:  # every route of the path's
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
         return _answer(request, err)
 
     @app.exception_handler(Exception)

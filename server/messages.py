@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import RequestOutput
 from server.async_engine import RequestStream
+from server.chat import chat_prompt_ids, serve_chat
 from server.errors import bad_request
 from server.protocol import (
     MAX_TOP_K,
@@ -39,16 +40,8 @@ from server.protocol import (
     OpenAIBaseModel,
     _limit,
 )
-from server.serving import (
-    ServingContext,
-    check_request,
-    compile_constraint,
-    engine_requests_for_prompt,
-    respond,
-    stream_failures,
-)
-from server.tokens import apply_chat_template, encode_chat
-from server.tool_calls import ToolCallReader, output_constraint, template_tools
+from server.serving import ServingContext, stream_failures
+from server.tool_calls import ToolCallReader
 
 # ------------------------------------------------------------------- request schemas
 
@@ -257,12 +250,6 @@ def _chat_tool_choice(choice: ToolChoiceParam) -> dict[str, Any]:
     return fields
 
 
-def _prompt_ids(ctx: ServingContext, chat: ChatCompletionRequest) -> list[int]:
-    tools = template_tools(chat, getattr(ctx.tokenizer, "chat_template", None))
-    text = apply_chat_template(ctx.tokenizer, chat.conversation(), True, tools)
-    return encode_chat(ctx.tokenizer, text)
-
-
 # ------------------------------------------------------------------------ the routes
 
 
@@ -292,23 +279,19 @@ class CountTokensResponse(BaseModel):
 
 async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request) -> Response:
     chat = chat_request(req)
-    check_request(ctx, chat, "/v1/messages", num_prompts=1)
-    constraint = output_constraint(chat)
-    prompt_ids = _prompt_ids(ctx, chat)
     message_id = f"msg_{uuid.uuid4().hex}"
-    structured = await compile_constraint(ctx, constraint)
-    engine_requests = engine_requests_for_prompt(
-        ctx, chat, message_id, 0, prompt_ids, req.max_tokens, None, "messages", structured
-    )
-    view = _MessagesView(ctx, chat, message_id, len(prompt_ids))
-    return await respond(ctx, engine_requests, view, bool(req.stream), raw, events=_events)
+
+    def view(num_prompt: int) -> _MessagesView:
+        return _MessagesView(ctx, chat, message_id, num_prompt)
+
+    return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, events=_events)
 
 
 def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
     chat = chat_request(req)
     ctx.check_model(chat.model)
     chat.check_tools()
-    return CountTokensResponse(input_tokens=len(_prompt_ids(ctx, chat)))
+    return CountTokensResponse(input_tokens=len(chat_prompt_ids(ctx, chat)))
 
 
 def _usage(num_prompt: int, out: RequestOutput) -> MessageUsage:

@@ -40,8 +40,9 @@ SSE = {
 }
 
 
-# Anthropic's stream: `event: <type>` and `data: <its JSON>` per event, no [DONE].
-ANTHROPIC_SSE = {
+# Anthropic's and the Responses API's streams: `event: <type>` and `data: <its JSON>` per
+# event, no [DONE].
+ANTHROPIC_SSE = RESPONSES_SSE = {
     "text/event-stream": {
         "schema": {
             "description": "One server-sent event.",

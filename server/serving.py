@@ -40,6 +40,7 @@ from server.errors import (
     shutting_down,
 )
 from server.protocol import OpenAIBaseModel, SamplingFields, check_context_length
+from server.response_store import ResponseStore
 from server.tokens import TokenStrings
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class ServingContext:
     served_model_name: str
     max_waiting_requests: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 
     def __post_init__(self) -> None:

@@ -45,6 +45,8 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.responses import ResponsesRequest, conversation_of
+from server.responses import chat_request as responses_chat_request
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
 from server.tool_calls import output_constraint, template_tools
 from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
@@ -138,6 +140,8 @@ def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
     model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
     if path in MESSAGES_MODELS and isinstance(body, dict):
         return _messages_break_an_unstated_rule(path, body, tokenizer)
+    if path == "/v1/responses" and isinstance(body, dict):
+        return _responses_break_an_unstated_rule(body, tokenizer)
     if path not in model or not isinstance(body, dict):
         return False
     # Not a rule but schemathesis's rounding: it reads the int64 bound 2**63 - 1 through a
@@ -183,6 +187,20 @@ def _messages_break_an_unstated_rule(path: str, body: dict[str, Any], tokenizer:
     except OpenAIError:
         return True
     return False
+
+
+def _responses_break_an_unstated_rule(body: dict[str, Any], tokenizer: Any) -> bool:
+    """A Responses request is the chat request it means (server/responses.py): its rules.
+    (One with a previous_response_id gets a 404: this run stores none it could name.)"""
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError:
+        return False  # refused for a stated rule: schemathesis reports it
+    try:
+        chat = responses_chat_request(req, conversation_of(req, []))
+    except OpenAIError:
+        return True
+    return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
 
 
 def _constraint_compiles(req: Any, tokenizer: Any) -> bool:

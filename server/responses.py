@@ -1,0 +1,498 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API.
+
+As for Anthropic's Messages (server/messages.py), a Responses request is turned into the
+chat completions request it means (`chat_request`): `instructions` a system message,
+then the stored conversation of `previous_response_id`, then `input` (a string, or
+items: messages, `function_call` items as an assistant turn's tool calls,
+`function_call_output` items as tool turns); `tools` (function tools) and
+`tool_choice`, `text.format` (json_schema, json_object) as response_format,
+`max_output_tokens` as max_tokens. From there the chat path runs: same template, same
+tokens and cached prefix, same constrained tool calls. The answer is a Response: output
+items (`message` with `output_text`, `function_call`), `status` `completed` or
+`incomplete` (max_output_tokens), usage with cached tokens; streamed as the Responses
+events. With `store` (the default) the response and its conversation are kept in a
+bounded store (server/response_store.py) for `previous_response_id`, GET and DELETE.
+
+Not served, a 400 naming it: built-in tools (web search, file search...), reasoning
+items and reasoning effort, background mode, `truncation: auto`, image and file inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, ValidationError
+
+from engine import RequestOutput
+from server.async_engine import RequestStream
+from server.chat import serve_chat
+from server.errors import OpenAIError, bad_request, not_found
+from server.protocol import (
+    ChatCompletionRequest,
+    FunctionName,
+    MaxTokens,
+    NonEmptyStr,
+    OpenAIBaseModel,
+    ToolCall,
+    _limit,
+)
+from server.serving import ServingContext, stream_failures
+from server.tool_calls import ToolCallReader
+
+# ------------------------------------------------------------------- request schemas
+
+
+class InputText(OpenAIBaseModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(OpenAIBaseModel):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    """A call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: FunctionName
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(OpenAIBaseModel):
+    """What the caller's function returned for `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class TextFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None  # json_schema
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIBaseModel):
+    format: TextFormat | None = None
+
+
+class Reasoning(OpenAIBaseModel):
+    """Only an empty reasoning config is taken: this server runs no reasoning models."""
+
+    effort: None = None
+    summary: None = None
+
+
+# `json_schema` needs its schema; `required` and a named function need tools.
+_RULES = (
+    {
+        "if": {"required": ["text"], "properties": {"text": {
+            "required": ["format"], "properties": {"format": {
+                "required": ["type"], "properties": {"type": {"const": "json_schema"}}}}}}},
+        "then": {"properties": {"text": {"properties": {"format": {
+            "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}}},
+    },
+    {
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "anyOf": [{"const": "required"}, {"type": "object"}]}}},
+        "then": {"required": ["tools"],
+                 "properties": {"tools": {"type": "array", "minItems": 1}}},
+    },
+)  # fmt: skip
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses. Rules beyond this schema (400 when broken), as for chat: the
+    rendered prompt plus max_output_tokens fit the context; tool names are distinct and a
+    named tool_choice names one of them; tools with tool_choice `auto` (the default) need
+    a chat template that declares tool support; the output constraint compiles. An
+    unknown (or expired, or unstored) `previous_response_id` is a 404."""
+
+    model_config = {"json_schema_extra": {"allOf": list(_RULES)}}
+
+    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    previous_response_id: NonEmptyStr | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: Reasoning | None = None
+    background: Literal[False] | None = None
+    truncation: Literal["disabled"] | None = None
+
+
+# ------------------------------------------------------------- the chat request it means
+
+
+def conversation_of(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a request: the earlier turns, then its input (no instructions:
+    they apply to this request only, as OpenAI's do)."""
+    messages = list(history)
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for item in req.input:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": _text(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the same turn's calls
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output)})  # fmt: skip
+    return messages
+
+
+def _text(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def chat_request(
+    req: ResponsesRequest, conversation: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    messages = list(conversation)
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }  # fmt: skip
+    if req.tools:
+        body["tools"] = [
+            {"type": "function", "function": t.model_dump(include={
+                "name", "description", "parameters", "strict"}, exclude_none=True)}
+            for t in req.tools
+        ]  # fmt: skip
+    if isinstance(req.tool_choice, FunctionToolChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    elif req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "output", "schema": fmt.json_schema, "strict": fmt.strict}}  # fmt: skip
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:  # a value valid here but not there: say which
+        raise bad_request(f"Invalid request: {exc.errors()[0]['msg']}") from exc
+
+
+# ------------------------------------------------------------------------ the routes
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A Response as OpenAI's SDK reads it (the fields this server sets)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: dict[str, str] | None = None
+    error: None = None
+    model: str
+    instructions: str | None = None
+    output: list[dict[str, Any]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    store: bool
+    metadata: dict[str, str]
+    user: str | None = None
+    usage: ResponseUsage | None = None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+def unknown_response(response_id: str, param: str | None = None) -> OpenAIError:
+    return not_found(f"No stored response with id {response_id!r}: it was never stored "
+                     "(store: false), was deleted, or has expired.", param=param)  # fmt: skip
+
+
+async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Request) -> Response:
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = ctx.responses.get(req.previous_response_id)
+        if stored is None:
+            raise unknown_response(req.previous_response_id, param="previous_response_id")
+        history = stored.conversation
+    conversation = conversation_of(req, history)
+    chat = chat_request(req, conversation)
+    response_id = f"resp_{uuid.uuid4().hex}"
+
+    def view(num_prompt: int) -> _ResponsesView:
+        return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation)
+
+    return await serve_chat(ctx, chat, response_id, "/v1/responses", view, raw, events=_events)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}  # fmt: skip
+
+
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+class _ResponsesView:
+    """Engine output as a Response or as the Responses events; stored when asked."""
+
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
+                 response_id: str, num_prompt: int, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.req = req
+        self.chat = chat
+        self.request_id = response_id
+        self.num_prompt = num_prompt
+        self.conversation = conversation
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def _response(self, status: str, output: list[dict[str, Any]],
+                  out: RequestOutput | None = None) -> ResponseObject:  # fmt: skip
+        req = self.req
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()]
+        choice = req.tool_choice
+        fmt = req.text.format if req.text and req.text.format else None
+        usage = None
+        if out is not None:
+            cached = min(out.num_cached_tokens, self.num_prompt)
+            usage = ResponseUsage(
+                input_tokens=self.num_prompt, input_tokens_details={"cached_tokens": cached},
+                output_tokens=len(out.token_ids), output_tokens_details={"reasoning_tokens": 0},
+                total_tokens=self.num_prompt + len(out.token_ids),
+            )  # fmt: skip
+        return ResponseObject(
+            id=self.request_id, created_at=self.created, status=status,
+            incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+            model=self.ctx.served_model_name, instructions=req.instructions, output=output,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            previous_response_id=req.previous_response_id, max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p,
+            tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else (choice or "auto"),
+            tools=tools,
+            text={"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
+            store=req.store is not False, metadata=req.metadata or {}, user=req.user, usage=usage,
+        )  # fmt: skip
+
+    def _finish(self, out: RequestOutput, output: list[dict[str, Any]],
+                calls: list[ToolCall], text: str | None) -> ResponseObject:  # fmt: skip
+        status = "incomplete" if out.finish_reason == "length" else "completed"
+        response = self._response(status, output, out)
+        if self.req.store is not False:
+            turn: dict[str, Any] = {"role": "assistant", "content": text or ""}
+            if calls:
+                turn["tool_calls"] = [c.model_dump() for c in calls]
+            self.ctx.responses.put(response.model_dump(), [*self.conversation, turn])
+        return response
+
+    def response(self, finals: dict[str, RequestOutput]) -> ResponseObject:
+        out = finals[f"{self.request_id}-0"]
+        message = ToolCallReader(self.chat).message(out.text)
+        status = "incomplete" if out.finish_reason == "length" else "completed"
+        output = []
+        if message.content:
+            output.append(_message_item(_item_id("msg"), message.content, status))
+        for call in message.tool_calls or ():
+            output.append(_call_item(_item_id("fc"), call.id, call.function.name,
+                                     call.function.arguments, "completed"))  # fmt: skip
+        return self._finish(out, output, list(message.tool_calls or ()), message.content)
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        self.sequence += 1
+        payload = {"type": kind, "sequence_number": self.sequence - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+        started = self._response("in_progress", []).model_dump()
+        yield self._event("response.created", response=started)
+        yield self._event("response.in_progress", response=started)
+        reader = ToolCallReader(self.chat)
+        items = _Items(self._event)
+        async for out in stream:
+            for chunk in items.events(reader.feed(out.new_text)):
+                yield chunk
+            if out.finished:
+                for chunk in items.events(reader.finish()):
+                    yield chunk
+                for chunk in items.close():
+                    yield chunk
+                calls = [ToolCall(id=i["call_id"], function={"name": i["name"],
+                                                             "arguments": i["arguments"]})
+                         for i in items.output if i["type"] == "function_call"]  # fmt: skip
+                text = "".join(i["content"][0]["text"] for i in items.output
+                               if i["type"] == "message") or None  # fmt: skip
+                final = self._finish(out, items.output, calls, text)
+                kind = (
+                    "response.completed" if final.status == "completed" else "response.incomplete"
+                )
+                yield self._event(kind, response=final.model_dump())
+
+
+class _Items:
+    """Chat deltas (content, tool-call pieces) as output item events: an item opens when
+    its kind of delta first arrives and closes when another kind (or the end) comes."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.output: list[dict[str, Any]] = []  # the items, completed as they close
+        self.open: dict[str, Any] | None = None
+
+    def events(self, delta: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if delta.get("content"):
+            if self.open is None or self.open["type"] != "message":
+                out += self._start(_message_item(_item_id("msg"), "", "in_progress"))
+                out.append(self._part("response.content_part.added", ""))
+            self.open["content"][0]["text"] += delta["content"]
+            out.append(self.event("response.output_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.output), content_index=0,
+                                  delta=delta["content"], logprobs=[]))  # fmt: skip
+        for call in delta.get("tool_calls", ()):
+            if call.get("id"):  # a new call: its own item
+                out += self._start(_call_item(_item_id("fc"), call["id"],
+                                              call["function"]["name"], "", "in_progress"))  # fmt: skip
+            arguments = call.get("function", {}).get("arguments")
+            if arguments and self.open is not None:
+                self.open["arguments"] += arguments
+                out.append(self.event("response.function_call_arguments.delta",
+                                      item_id=self.open["id"], output_index=len(self.output),
+                                      delta=arguments))  # fmt: skip
+        return out
+
+    def close(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        item["status"] = "completed"
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            out = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text, logprobs=[])]  # fmt: skip
+            self.open = item
+            out.append(self._part("response.content_part.done", text))
+            self.open = None
+        else:
+            out = [self.event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"],
+                              arguments=item["arguments"])]  # fmt: skip
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
+    def _start(self, item: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.open = item
+        added = json.loads(json.dumps(item))  # as it was when added, not as it grows
+        return [*out, self.event("response.output_item.added", output_index=len(self.output),
+                                 item=added)]  # fmt: skip
+
+    def _part(self, kind: str, text: str) -> str:
+        assert self.open is not None
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return self.event(kind, item_id=self.open["id"], output_index=len(self.output),
+                          content_index=0, part=part)  # fmt: skip
+
+
+async def _events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The view's events as they are; a failure mid-stream as an `error` event (OpenAI's
+    Responses stream has no `[DONE]`); leaving aborts, as sse_events."""
+    try:
+        async for item in stream_failures(chunks):
+            if isinstance(item, str):
+                yield item
+            else:
+                body = {"type": "error", "code": item.code, "message": item.message,
+                        "param": item.param, "sequence_number": 0}  # fmt: skip
+                yield f"event: error\ndata: {json.dumps(body)}\n\n"
+    finally:
+        stream.abort()
+
+
+def get_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise unknown_response(response_id)
+    return stored.body
+
+
+def delete_response(ctx: ServingContext, response_id: str) -> DeletedResponse:
+    if not ctx.responses.delete(response_id):
+        raise unknown_response(response_id)
+    return DeletedResponse(id=response_id)
