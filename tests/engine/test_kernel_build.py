@@ -1,8 +1,9 @@
 """The kernels' build survives being killed: a build SIGKILLed half-way, or a library torn
 on disk, never blocks or breaks the next start (issue 29, faults).
 
-A tiny extension stands in for the real kernels (pybind11 alone compiles in seconds); it
-goes through the same `_build` as they do, in a TORCH_EXTENSIONS_DIR of its own."""
+A tiny extension stands in for the real kernels (through pybind11 where a build must last
+long enough to be killed, else through Python's C API alone); it goes through the same
+`_build` as they do, in a TORCH_EXTENSIONS_DIR of its own."""
 
 from __future__ import annotations
 
@@ -18,10 +19,25 @@ import pytest
 
 from engine import kernels
 
-TINY_SOURCE = textwrap.dedent("""
+# pybind11 takes seconds to compile: long enough to kill a build half-way.
+SLOW_SOURCE = textwrap.dedent("""
     #include <pybind11/pybind11.h>
     int answer() { return 42; }
     PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+""")
+# The same module through Python's C API alone: built in about a second.
+FAST_SOURCE = textwrap.dedent("""
+    #include <Python.h>
+    #define NAME_(x) #x
+    #define NAME(x) NAME_(x)
+    #define INIT_(x) PyInit_##x
+    #define INIT(x) INIT_(x)
+    static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+    static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr},
+                                    {nullptr, nullptr, 0, nullptr}};
+    static PyModuleDef module = {PyModuleDef_HEAD_INIT, NAME(TORCH_EXTENSION_NAME), nullptr, -1,
+                                 methods};
+    PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
 """)
 # Run in a child: builds the tiny extension and prints what it answers.
 BUILD = textwrap.dedent("""
@@ -52,16 +68,25 @@ def _answer(source: Path, env: dict[str, str], timeout_s: float = 240) -> str:
     return out.strip().splitlines()[-1]
 
 
-@pytest.fixture
-def tiny(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+def _tiny(tmp_path: Path, text: str) -> tuple[Path, dict[str, str]]:
     source = tmp_path / "tiny.cpp"
-    source.write_text(TINY_SOURCE)
+    source.write_text(text)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     return source, env
 
 
-def test_a_build_killed_half_way_does_not_block_the_next(tiny):
-    source, env = tiny
+@pytest.fixture
+def tiny(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    return _tiny(tmp_path, FAST_SOURCE)
+
+
+@pytest.fixture
+def slow_tiny(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    return _tiny(tmp_path, SLOW_SOURCE)
+
+
+def test_a_build_killed_half_way_does_not_block_the_next(slow_tiny):
+    source, env = slow_tiny
     child = _child(source, env)
     deadline = time.monotonic() + 120
     build = None

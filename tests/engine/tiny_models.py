@@ -59,6 +59,17 @@ def default_tokenizer():
     return load_tokenizer(default_model_dir())
 
 
+@lru_cache(maxsize=1)
+def default_reference_model():
+    """transformers' own float32 model of the default GGUF (it dequantizes the file in
+    Python: 20-30 s), loaded once per test process for the tests that compare with it."""
+    import torch
+
+    from engine.loader import load_reference_model
+
+    return load_reference_model(default_model_dir(), torch.float32)
+
+
 def tiny_config(arch: str = "llama", **overrides) -> PretrainedConfig:
     if arch not in ARCH_DEFAULTS:
         raise ValueError(f"arch must be one of {', '.join(ARCH_DEFAULTS)}, got {arch!r}")

@@ -141,6 +141,8 @@ def test_a_follow_up_continues_the_stored_conversation_from_its_cache(server):
               ("name", "description", "parameters")}}], tool_choice="none")  # fmt: skip
     assert second.usage.input_tokens == expected.usage.prompt_tokens
     assert second.output_text == expected.choices[0].message.content
+    # ...and chat's turn finds the conversation the Responses turns cached.
+    assert expected.usage.prompt_tokens_details.cached_tokens >= second.usage.input_tokens - 16
 
 
 def test_stored_responses_can_be_read_and_deleted(server):
