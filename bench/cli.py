@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_NAMES = ("shared-prefix", "unique", "multi-turn")
+WORKLOAD_NAMES = ("shared-prefix", "zipf-prefix", "unique", "multi-turn")
 HELP = "load-test an OpenAI-compatible server (`compare`: several servers; see bench/README.md)"
 
 
@@ -57,13 +57,13 @@ def workload_list(text: str) -> list[str]:
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", type=workload_list, default=["shared-prefix"],
-                   help="comma-separated: shared-prefix, unique, multi-turn "
+                   help="comma-separated: shared-prefix, zipf-prefix, unique, multi-turn "
                    "(default shared-prefix)")  # fmt: skip
     g.add_argument("--num-requests", type=_positive_int, default=64)
     g.add_argument("--prefix-len", type=int, default=500,
                    help="tokens of each prompt's prefix (multi-turn: the context)")  # fmt: skip
     g.add_argument("--num-prefixes", type=_positive_int, default=4,
-                   help="shared-prefix: number of prefix groups")  # fmt: skip
+                   help="shared- and zipf-prefix: number of prefix groups")  # fmt: skip
     g.add_argument("--question-len", type=_positive_int, default=16,
                    help="tokens of each question (after the prefix)")  # fmt: skip
     g.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: turns each")

@@ -18,6 +18,7 @@ from bench.loadgen import LoadConfig, RequestResult, run_load
 from bench.report import load_average, summarize, ttft_samples
 from bench.server_metrics import metrics_delta, scrape
 from bench.workloads import (
+    PREFIX_WORKLOADS,
     Conversation,
     Prompt,
     Tokenizer,
@@ -87,7 +88,7 @@ def run_point(
         request_rate=cfg.request_rate,
         max_tokens=cfg.max_tokens,
         prefix_len=spec.prefix_len,
-        num_prefixes=spec.num_prefixes if spec.name == "shared-prefix" else None,
+        num_prefixes=spec.num_prefixes if spec.name in PREFIX_WORKLOADS else None,
         stream=cfg.stream,
         seed=spec.seed,
     )

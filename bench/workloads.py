@@ -4,6 +4,10 @@ Three workloads, all built from a fixed word list and a seed (same seed, same pr
 
 - `shared-prefix`: P groups; every prompt of a group is the group's long fixed prefix
   followed by a short question no other prompt has. Request i belongs to group i % P.
+- `zipf-prefix`: as shared-prefix, but request i's group is drawn with Zipf-like
+  popularity (group g with weight 1 / (g + 1)): a few prefixes are hot, most are cold,
+  so with many groups the distinct prefixes outgrow the KV pool and what stays cached
+  decides the hit rate (issue 26's overflowing-prefix load).
 - `unique`: the same lengths, but every prompt has a prefix of its own.
 - `multi-turn`: conversations; turn k+1 resends the whole history (a unique context, the
   earlier questions and the answers the server gave) plus a new question.
@@ -20,7 +24,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-WORKLOADS = ("shared-prefix", "unique", "multi-turn")
+WORKLOADS = ("shared-prefix", "zipf-prefix", "unique", "multi-turn")
+PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix")  # prompts grouped by a shared prefix
 
 # Plain lower-case English words: each is one or two tokens in any byte-level BPE, so a
 # prompt's token count follows its word count closely and trimming is exact.
@@ -94,7 +99,7 @@ class Prompt:
     """One request's prompt (the text; chat sends it as one user message)."""
 
     text: str
-    group: int  # the shared prefix's group (shared-prefix); the request index otherwise
+    group: int  # the shared prefix's group (shared-, zipf-prefix); the request index otherwise
 
 
 @dataclass
@@ -162,21 +167,30 @@ def shared_prefixes(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[str]:
 
 
 def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
-    """The prompts of a single-turn workload (`shared-prefix` or `unique`), in send order."""
+    """The prompts of a single-turn workload (`shared-prefix`, `zipf-prefix` or `unique`),
+    in send order."""
     if spec.name == "multi-turn":
         raise ValueError("multi-turn is built with build_conversations")
-    prefixes = shared_prefixes(spec, tokenizer) if spec.name == "shared-prefix" else None
+    prefixes = shared_prefixes(spec, tokenizer) if spec.name in PREFIX_WORKLOADS else None
+    groups = zipf_groups(spec) if spec.name == "zipf-prefix" else None
     prompts = []
     for i in range(spec.num_requests):
         question = question_text(tokenizer, _rng(spec, "question", i), i, spec.question_len)
         if prefixes is not None:
-            group = i % spec.num_prefixes
+            group = groups[i] if groups is not None else i % spec.num_prefixes
             prefix = prefixes[group]
         else:
             group = i
             prefix = text_of_tokens(tokenizer, _rng(spec, "unique", i), spec.prefix_len)
         prompts.append(Prompt(prefix + question, group))
     return prompts
+
+
+def zipf_groups(spec: WorkloadSpec, exponent: float = 1.0) -> list[int]:
+    """Each request's prefix group, group g drawn with weight 1 / (g + 1) ** exponent."""
+    weights = [1.0 / (g + 1) ** exponent for g in range(spec.num_prefixes)]
+    rng = _rng(spec, "zipf")
+    return rng.choices(range(spec.num_prefixes), weights=weights, k=spec.num_requests)
 
 
 def build_conversations(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Conversation]:
