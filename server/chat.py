@@ -31,9 +31,10 @@ from server.protocol import (
     make_usage,
 )
 from server.serving import (
+    OPENAI_STREAM,
     ResponseView,
     ServingContext,
-    StreamEvents,
+    StreamFormat,
     check_request,
     choice_index,
     clamp_logprob,
@@ -72,7 +73,7 @@ async def serve_chat(
     endpoint: str,
     make_view: Callable[[int], ResponseView],
     raw_request: Request,
-    events: StreamEvents | None = None,
+    fmt: StreamFormat = OPENAI_STREAM,
 ) -> Response:
     """A chat request through the engine, answered by the view `make_view(prompt tokens)`
     makes: the one path of chat completions and of the APIs translated into it (Anthropic's
@@ -86,7 +87,7 @@ async def serve_chat(
         "messages", structured,
     )  # fmt: skip
     view = make_view(len(prompt_ids))
-    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, events)
+    return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, fmt)
 
 
 def chat_logprobs(

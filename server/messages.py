@@ -40,7 +40,7 @@ from server.protocol import (
     OpenAIBaseModel,
     _limit,
 )
-from server.serving import ServingContext, stream_failures
+from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
 
 # ------------------------------------------------------------------- request schemas
@@ -284,7 +284,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     def view(num_prompt: int) -> _MessagesView:
         return _MessagesView(ctx, chat, message_id, num_prompt)
 
-    return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, events=_events)
+    return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, ANTHROPIC_STREAM)
 
 
 def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
@@ -348,7 +348,7 @@ class _MessagesView:
                 started = True
                 usage = _usage(self.num_prompt, out).model_dump()
                 usage["output_tokens"] = 0
-                yield event("message_start", {"type": "message_start", "message": {
+                yield named_event("message_start", {"type": "message_start", "message": {
                     "id": self.request_id, "type": "message", "role": "assistant",
                     "model": self.model, "content": [], "stop_reason": None,
                     "stop_sequence": None, "usage": usage}})  # fmt: skip
@@ -361,11 +361,11 @@ class _MessagesView:
                 for chunk in blocks.close():
                     yield chunk
                 reason = _stop_reason(out, reader.made_calls)
-                yield event("message_delta", {
+                yield named_event("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": out.stop_string},
                     "usage": {"output_tokens": len(out.token_ids)}})  # fmt: skip
-                yield event("message_stop", {"type": "message_stop"})
+                yield named_event("message_stop", {"type": "message_stop"})
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -405,30 +405,22 @@ class _Blocks:
         if self.kind is None:
             return []
         self.kind = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [
+            named_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        ]
 
     def _open(self, block: dict[str, Any]) -> list[str]:
         out = self.close()
         self.index += 1
         self.kind = block["type"]
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return [*out, event("content_block_start", start)]
+        return [*out, named_event("content_block_start", start)]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         body = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return event("content_block_delta", body)
+        return named_event("content_block_delta", body)
 
 
-def event(name: str, payload: dict[str, Any]) -> str:
-    """One server-sent event in Anthropic's form: `event: <type>` then its JSON."""
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The view's events as they are, a failure mid-stream as an `error` event (no
-    `[DONE]`: Anthropic's stream ends with message_stop); leaving aborts, as sse_events."""
-    try:
-        async for item in stream_failures(chunks):
-            yield item if isinstance(item, str) else event("error", item.anthropic_body())
-    finally:
-        stream.abort()
+# Anthropic's stream: its named events as the view writes them, an `error` event in its
+# shape if the stream fails, no `[DONE]` (it ends with message_stop).
+ANTHROPIC_STREAM = StreamFormat(as_is, lambda error: named_event("error", error.anthropic_body()))

@@ -39,10 +39,9 @@ from server.protocol import (
     MaxTokens,
     NonEmptyStr,
     OpenAIBaseModel,
-    ToolCall,
     _limit,
 )
-from server.serving import ServingContext, stream_failures
+from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
 
 # ------------------------------------------------------------------- request schemas
@@ -179,8 +178,9 @@ def conversation_of(req: ResponsesRequest, history: list[dict[str, Any]]) -> lis
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # the same turn's calls
+            if last is not None and last["role"] == "assistant":  # the same turn's calls
+                # A new dict: `last` may be a stored response's turn, shared with its store.
+                messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
@@ -290,11 +290,21 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     def view(num_prompt: int) -> _ResponsesView:
         return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation)
 
-    return await serve_chat(ctx, chat, response_id, "/v1/responses", view, raw, events=_events)
+    return await serve_chat(ctx, chat, response_id, "/v1/responses", view, raw, RESPONSES_STREAM)
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _turn(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output items as the assistant turn a follow-up's conversation continues from."""
+    text = "".join(part["text"] for item in output if item["type"] == "message"
+                   for part in item["content"])  # fmt: skip
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]  # fmt: skip
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -350,15 +360,11 @@ class _ResponsesView:
             store=req.store is not False, metadata=req.metadata or {}, user=req.user, usage=usage,
         )  # fmt: skip
 
-    def _finish(self, out: RequestOutput, output: list[dict[str, Any]],
-                calls: list[ToolCall], text: str | None) -> ResponseObject:  # fmt: skip
+    def _finish(self, out: RequestOutput, output: list[dict[str, Any]]) -> ResponseObject:
         status = "incomplete" if out.finish_reason == "length" else "completed"
         response = self._response(status, output, out)
         if self.req.store is not False:
-            turn: dict[str, Any] = {"role": "assistant", "content": text or ""}
-            if calls:
-                turn["tool_calls"] = [c.model_dump() for c in calls]
-            self.ctx.responses.put(response.model_dump(), [*self.conversation, turn])
+            self.ctx.responses.put(response.model_dump(), [*self.conversation, _turn(output)])
         return response
 
     def response(self, finals: dict[str, RequestOutput]) -> ResponseObject:
@@ -371,12 +377,11 @@ class _ResponsesView:
         for call in message.tool_calls or ():
             output.append(_call_item(_item_id("fc"), call.id, call.function.name,
                                      call.function.arguments, "completed"))  # fmt: skip
-        return self._finish(out, output, list(message.tool_calls or ()), message.content)
+        return self._finish(out, output)
 
     def _event(self, kind: str, **fields: Any) -> str:
         self.sequence += 1
-        payload = {"type": kind, "sequence_number": self.sequence - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return named_event(kind, {"type": kind, "sequence_number": self.sequence - 1, **fields})
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
         started = self._response("in_progress", []).model_dump()
@@ -392,12 +397,7 @@ class _ResponsesView:
                     yield chunk
                 for chunk in items.close():
                     yield chunk
-                calls = [ToolCall(id=i["call_id"], function={"name": i["name"],
-                                                             "arguments": i["arguments"]})
-                         for i in items.output if i["type"] == "function_call"]  # fmt: skip
-                text = "".join(i["content"][0]["text"] for i in items.output
-                               if i["type"] == "message") or None  # fmt: skip
-                final = self._finish(out, items.output, calls, text)
+                final = self._finish(out, items.output)
                 kind = (
                     "response.completed" if final.status == "completed" else "response.incomplete"
                 )
@@ -470,19 +470,15 @@ class _Items:
                           content_index=0, part=part)  # fmt: skip
 
 
-async def _events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The view's events as they are; a failure mid-stream as an `error` event (OpenAI's
-    Responses stream has no `[DONE]`); leaving aborts, as sse_events."""
-    try:
-        async for item in stream_failures(chunks):
-            if isinstance(item, str):
-                yield item
-            else:
-                body = {"type": "error", "code": item.code, "message": item.message,
-                        "param": item.param, "sequence_number": 0}  # fmt: skip
-                yield f"event: error\ndata: {json.dumps(body)}\n\n"
-    finally:
-        stream.abort()
+def _error_event(error: OpenAIError) -> str:
+    body = {"type": "error", "code": error.code, "message": error.message,
+            "param": error.param, "sequence_number": 0}  # fmt: skip
+    return named_event("error", body)
+
+
+# The Responses stream: its named events as the view writes them, an `error` event if it
+# fails, no `[DONE]`.
+RESPONSES_STREAM = StreamFormat(as_is, _error_event)
 
 
 def get_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ error) aborts whatever has not finished, so its KV blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -80,9 +81,6 @@ class ResponseView(Protocol):
     def chunks(self, stream: RequestStream) -> AsyncIterator[str]: ...
 
 
-StreamEvents = Callable[[RequestStream, AsyncIterator[str]], AsyncIterator[str]]
-
-
 def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
     unknown = req.unknown_fields()
     if unknown:
@@ -122,14 +120,14 @@ async def respond(
     view: ResponseView,
     streaming: bool,
     raw_request: Request,
-    events: StreamEvents | None = None,
+    fmt: StreamFormat | None = None,
 ) -> Response:
-    """Submit the requests, then stream the view's chunks (as `events` frames them,
-    `sse_events` by default) or return its whole response."""
+    """Submit the requests, then stream the view's chunks (framed as `fmt` says, OpenAI's
+    `data:` events by default) or return its whole response."""
     stream = await submit(ctx, requests)
     if streaming:
         return StreamingResponse(
-            (events or sse_events)(stream, view.chunks(stream)),
+            sse_events(stream, view.chunks(stream), fmt or OPENAI_STREAM),
             media_type="text/event-stream",
             background=BackgroundTask(stream.abort),  # also when the body never started
         )
@@ -197,30 +195,50 @@ def sse(payload: str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def stream_failures(chunks: AsyncIterator[str]) -> AsyncIterator[str | OpenAIError]:
-    """A view's chunks, then the error that stopped them, if any, to tell the client
-    in-band (the response has started: its status is sent)."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except EngineError as exc:
-        yield in_flight_error(exc)
-    except OpenAIError as exc:
-        yield exc
-    except Exception as exc:  # a bug: tell the client in-band, keep the details in the log
-        logger.exception("stream failed: %s", exc)
-        yield OpenAIError(500, "Internal server error.", type="server_error")
+def named_event(name: str, payload: dict[str, Any]) -> str:
+    """A server-sent event that names its type: `event: <name>`, then its JSON (the form
+    of Anthropic's and of the Responses API's streams)."""
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(stream: RequestStream, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`data: {json}` events, an error event if the engine fails, then `data: [DONE]`.
+def as_is(chunk: str) -> str:
+    return chunk
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How a stream is written: each chunk a view yields, the error that stops a stream
+    that has started (its status is sent: the error goes in-band), and the last event."""
+
+    frame: Callable[[str], str]
+    error: Callable[[OpenAIError], str]
+    done: str = ""
+
+
+OPENAI_STREAM = StreamFormat(sse, OpenAIError.sse_event, SSE_DONE)  # data: {...}, data: [DONE]
+
+
+async def sse_events(
+    stream: RequestStream, chunks: AsyncIterator[str], fmt: StreamFormat = OPENAI_STREAM
+) -> AsyncIterator[str]:
+    """The view's chunks as `fmt` frames them, an error event if the engine fails, then
+    `fmt.done`.
 
     A disconnect cancels this generator at an await or a yield: `finally` aborts.
     """
     try:
-        async for item in stream_failures(chunks):
-            yield sse(item) if isinstance(item, str) else item.sse_event()
-        yield SSE_DONE
+        try:
+            async for chunk in chunks:
+                yield fmt.frame(chunk)
+        except EngineError as exc:
+            yield fmt.error(in_flight_error(exc))
+        except OpenAIError as exc:
+            yield fmt.error(exc)
+        except Exception as exc:  # a bug: tell the client in-band, keep the details in the log
+            logger.exception("stream failed: %s", exc)
+            yield fmt.error(OpenAIError(500, "Internal server error.", type="server_error"))
+        if fmt.done:
+            yield fmt.done
     finally:
         stream.abort()
 

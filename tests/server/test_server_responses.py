@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from server.responses import ResponsesRequest, conversation_of
 from tests.server.conftest import RunningServer, make_engine, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -182,3 +183,17 @@ def test_what_is_not_served_is_a_400_naming_it(server, body, param):
     error = response.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert server.all_blocks_free()
+
+
+def test_a_follow_up_leaves_the_stored_conversation_as_it_was():
+    # A follow-up whose input opens with a call joins it to the stored assistant turn, on
+    # a copy: the stored conversation (shared with the store) stays as it was.
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [call]}]  # fmt: skip
+    req = ResponsesRequest.model_validate(
+        {"input": [{"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"}]}
+    )
+    messages = conversation_of(req, history)
+    assert [c["id"] for c in messages[-1]["tool_calls"]] == ["call_1", "call_2"]
+    assert history[-1]["tool_calls"] == [call]

@@ -63,6 +63,13 @@ constexpr int64_t Q8_0x8 = 1000 + Q8_0;
 // x_at(j)..x_at(j) + 3 of each row): bit j of byte k is the fifth bit of value x_at(j) + k,
 // so one shift and one mask put it at 0x10 beside the nibble. As large as the file's.
 constexpr int64_t Q5_0x8 = 1000 + Q5_0;
+// Where value v (0-31) of a Q5_0 block sits in a Q5_0x8 column: in u[j], byte k.
+struct FifthBitPlace {
+  int j, k;
+};
+constexpr FifthBitPlace fifth_bit_place(int v) {
+  return {v < 16 ? v / 4 : 4 + (v - 16) / 4, v % 4};
+}
 constexpr int64_t kGroupRows = 8;
 constexpr int64_t kQ4KColumn = 1184;  // bytes per super-block column of a Q4_Kx8 group
 constexpr int64_t kQ6KColumn = 1680;  // and of a Q6_Kx8 group
@@ -242,9 +249,9 @@ void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t
       const uint8_t* column = group + b * 22 * kGroupRows;
       const uint8_t* fifth = column + 144 + 4 * r;
       uint32_t qh = 0;
-      for (int v = 0; v < 32; ++v) {  // value v sits in u[j], byte k (see Q5_0x8)
-        const int j = v < 16 ? v / 4 : 4 + (v - 16) / 4, k = v % 4;
-        qh |= (uint32_t)((fifth[k] >> j) & 1) << v;
+      for (int v = 0; v < 32; ++v) {
+        const FifthBitPlace p = fifth_bit_place(v);
+        qh |= (uint32_t)((fifth[p.k] >> p.j) & 1) << v;
       }
       std::memcpy(block, column + 2 * r, 2);
       std::memcpy(block + 2, &qh, 4);
@@ -1265,9 +1272,9 @@ void repack_q5_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
       for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 6 + 4 * j, 4);
       uint8_t* fifth = c + 144 + 4 * r;
       std::memset(fifth, 0, 4);
-      for (int v = 0; v < 32; ++v) {  // value v sits in u[j], byte k (see Q5_0x8)
-        const int j = v < 16 ? v / 4 : 4 + (v - 16) / 4, k = v % 4;
-        fifth[k] |= (uint8_t)(((qh >> v) & 1) << j);
+      for (int v = 0; v < 32; ++v) {
+        const FifthBitPlace p = fifth_bit_place(v);
+        fifth[p.k] |= (uint8_t)(((qh >> v) & 1) << p.j);
       }
     }
   }
