@@ -20,6 +20,7 @@ from engine.attention import ATTENTION_BACKENDS
 from engine.kernels import cpu_flags, cpu_kernels, ggml_kernels
 from engine.loader import DEFAULT_MODEL_NAME
 from engine.models.linear import QUANTIZATIONS
+from scheduler.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -72,6 +73,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "builtin"
+    # Admission order (scheduler/config.py): "fcfs", or "lpm" (longest cached prefix first;
+    # past age_bound_s seconds of waiting, arrival order again).
+    scheduling_policy: str = "fcfs"
+    age_bound_s: float = 5.0
     seed: int = 0
     attention_backend: str = "auto"
     # "int8" / "int4": weight-only (CPUs with AVX512-BF16); None or "none": off (a GGUF is
@@ -319,6 +324,11 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
          f"must be True or False, got {c.enable_prefix_caching!r}"),
         (c.prefix_cache_hash in PREFIX_CACHE_HASHES, "prefix_cache_hash",
          f"must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {c.prefix_cache_hash!r}"),
+        (c.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+         f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {c.scheduling_policy!r}"),
+        (isinstance(c.age_bound_s, (int, float)) and not isinstance(c.age_bound_s, bool)
+         and 0 <= c.age_bound_s < 1e9, "age_bound_s",
+         f"must be a number of seconds >= 0, got {c.age_bound_s!r}"),
         (_is_int(c.seed), "seed", f"must be an integer, got {c.seed!r}"),
         (_is_int(c.tensor_parallel_size) and c.tensor_parallel_size >= 1, "tensor_parallel_size",
          f"must be an integer >= 1, got {c.tensor_parallel_size!r}"),

@@ -111,6 +111,8 @@ class LLMEngine:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 prefix_cache_hash=config.prefix_cache_hash,
+                scheduling_policy=config.scheduling_policy,
+                age_bound_s=config.age_bound_s,
             ),
             kv_event_listener,
         )
@@ -260,7 +262,7 @@ class LLMEngine:
 
         A failure is confined to the requests the step scheduled: they are aborted here,
         so their blocks and per-request state are freed, and the next step runs without
-        them. A failure before anything was scheduled propagates as it is.
+        them; the blocks the step was to write leave the prefix cache. A failure before anything was scheduled propagates as it is.
         """
         sched_out = self.scheduler.schedule()
         try:
@@ -273,6 +275,7 @@ class LLMEngine:
             outputs = [self._make_output(req, sampled[req.request_id]) for req in updated]
         except Exception as exc:
             ids = [s.request_id for s in sched_out.scheduled]
+            self.scheduler.uncache_failed_step(sched_out)
             self.abort_request(ids)
             raise StepError(ids, exc) from exc
         self._update_stats(sched_out, updated)

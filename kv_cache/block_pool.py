@@ -95,6 +95,11 @@ class BlockPool:
             new_blocks.append(block)
         return new_blocks
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the prefix cache (it keeps its holders and its place)."""
+        if block.block_hash is not None:
+            self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None

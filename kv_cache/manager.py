@@ -112,6 +112,19 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        state, hits = self._lookup(req)
+        num_hit_tokens = len(hits) * self.block_size
+        state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def num_cached_tokens(self, req: RequestLike) -> int:
+        """The tokens `get_computed_blocks` would give req now, without keeping the
+        lookup (the scheduler ranks waiting requests by it)."""
+        if not self.enable_caching:
+            return 0
+        return len(self._lookup(req)[1]) * self.block_size
+
+    def _lookup(self, req: RequestLike) -> tuple[_RequestState, list[KVCacheBlock]]:
         state = self._state(req)
         token_ids = req.all_token_ids
         num_tokens = len(token_ids)
@@ -127,9 +140,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * block_size
-        state.pending_lookup = (num_tokens, num_hit_tokens)
-        return hits, num_hit_tokens
+        return state, hits
 
     def allocate_slots(
         self,
@@ -220,6 +231,21 @@ class KVCacheManager:
             state.block_ids, hashes, state.num_cached_blocks, num_full
         )
         state.num_cached_blocks = num_full
+
+    def uncache_unwritten(self, request_id: str, num_written_tokens: int) -> None:
+        """Take out of the prefix cache the blocks the request cached past its first
+        `num_written_tokens` tokens, because the step that was to write them failed.
+        Blocks are cached when they are allocated, ahead of the step: without this a
+        retry of the same prompt would hit KV that was never computed. (Its hit blocks
+        all lie before `num_written_tokens`: other requests wrote them.)"""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        first = num_written_tokens // self.block_size
+        blocks = self.block_pool.blocks
+        for block_id in state.block_ids[first : state.num_cached_blocks]:
+            self.block_pool.uncache(blocks[block_id])
+        state.num_cached_blocks = min(state.num_cached_blocks, first)
 
     def free(self, req: RequestLike | str) -> None:
         """Release a request's blocks and forget it (no-op if unknown).

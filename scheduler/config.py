@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
+# "fcfs": arrival order, nobody overtakes the head. "lpm": longest cached prefix first,
+# one request per uncached shared prefix at a time, arrival order again past the age bound.
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 
 def fits_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
@@ -25,6 +28,10 @@ class SchedulerConfig:
     num_blocks: int = 1024  # KV blocks in the pool
     enable_prefix_caching: bool = True
     prefix_cache_hash: str = "builtin"  # "sha256" for multi-tenant safety
+    scheduling_policy: str = "fcfs"
+    # lpm: a request that has waited longer than this many seconds is admitted in arrival
+    # order, before any request the cache would prefer: nothing starves.
+    age_bound_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.verify()
@@ -45,6 +52,14 @@ class SchedulerConfig:
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        age = self.age_bound_s
+        if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < 1e9:
+            raise ValueError(f"age_bound_s must be a number of seconds >= 0, got {age!r}")
         if self.prefix_cache_hash not in PREFIX_CACHE_HASHES:
             raise ValueError(
                 f"prefix_cache_hash must be one of {PREFIX_CACHE_HASHES}, "

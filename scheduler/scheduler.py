@@ -3,9 +3,10 @@
 Each step has one token budget (`max_num_batched_tokens`) shared by prefill
 and decode. Running requests go first, in admission order: one decode token
 each, or the next chunk of an unfinished prompt. Then waiting requests are
-admitted first-come first-served while the budget and `max_num_seqs` allow,
-each starting from its longest cached prefix; a prompt longer than the budget
-left is prefilled in chunks over several steps.
+admitted while the budget and `max_num_seqs` allow, each starting from its
+longest cached prefix: first-come first-served ("fcfs"), or longest cached
+prefix first ("lpm", see `_schedule_waiting_lpm`). A prompt longer than the
+budget left is prefilled in chunks over several steps.
 
 When a running request cannot get a block, the most recently admitted running
 request is preempted by recompute: its blocks are freed and it goes back to
@@ -23,8 +24,10 @@ already has.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from itertools import islice
 
 from kv_cache import KVCacheManager
 from kv_cache.block_pool import EventListener
@@ -33,16 +36,26 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+# lpm ranks at most this many waiting requests per step (the oldest): ranking costs a
+# prefix lookup each, and past this many the queue is long enough that age rules anyway.
+LPM_WINDOW = 256
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_event_listener: EventListener | None = None
+        self,
+        config: SchedulerConfig,
+        kv_event_listener: EventListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`kv_event_listener` hears each block the prefix cache stores or evicts (a
-        replica publishes them to the router)."""
+        replica publishes them to the router). `clock` is the one requests' arrival
+        times are on (lpm's age bound compares them)."""
         config.verify()
         self.config = config
+        self._clock = clock
+        # Without the cache there is no prefix to prefer: lpm would be FCFS with extra work.
+        self._lpm = config.scheduling_policy == "lpm" and config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
@@ -51,7 +64,8 @@ class Scheduler:
             event_listener=kv_event_listener,
         )
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the head
+        # Arrival order; preempted requests go to the head.
+        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule()
@@ -112,6 +126,12 @@ class Scheduler:
             # One pass over each queue, however many requests were removed.
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    def uncache_failed_step(self, output: SchedulerOutput) -> None:
+        """Take the blocks a step that failed was to write out of the prefix cache (see
+        `KVCacheManager.uncache_unwritten`); call it before aborting the step's requests."""
+        for item in output.scheduled:
+            self.kv_cache_manager.uncache_unwritten(item.request_id, item.num_computed_tokens)
 
     def _retire(self, request: Request) -> None:
         """Forget a finished request (its blocks are already freed; queues are fixed by the caller)."""
@@ -190,6 +210,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        if self._lpm and len(self.waiting) > 1:
+            return self._schedule_waiting_lpm(budget, scheduled)
         mgr = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
@@ -197,21 +219,71 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
-            num_new = len(request.all_token_ids) - num_hit_tokens
-            if num_new > budget:
-                num_new = budget
-            new_blocks = mgr.allocate_slots(request, num_new, hits)
-            if new_blocks is None:
+            num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
+            if mgr.allocate_slots(request, num_new, hits) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = _RUNNING
-            running.append(request)
-            scheduled.append(self._make_scheduled(request, num_new))
-            budget -= num_new
+            budget -= self._admit(request, num_hit_tokens, num_new, scheduled)
         return budget
+
+    def _schedule_waiting_lpm(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit by longest cached prefix (SGLang's lpm): a request whose prefix the cache
+        holds costs a fraction of a cold one, and is served before LRU evicts the prefix.
+        Past the age bound a request goes in arrival order ahead of the others, so none
+        waits forever.
+
+        Requests sharing a prefix nobody has computed yet need no rule of their own (SGLang's
+        in-batch dedup): blocks are cached when allocated, so a request admitted after the
+        first one in the same step hits them; and a prompt still being prefilled takes
+        all the budget left, so nobody is admitted beside its unfinished prefill to compute
+        the same blocks twice."""
+        mgr = self.kv_cache_manager
+        running = self.running
+        max_num_seqs = self.config.max_num_seqs
+        admitted: set[str] = set()
+        for request in self._lpm_order():
+            if budget <= 0 or len(running) >= max_num_seqs:
+                break
+            hits, num_hit_tokens = mgr.get_computed_blocks(request)
+            num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
+            if mgr.allocate_slots(request, num_new, hits) is None:
+                break  # memory is short: a smaller request would only take what this one needs
+            admitted.add(request.request_id)
+            budget -= self._admit(request, num_hit_tokens, num_new, scheduled)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
+        return budget
+
+    def _lpm_order(self) -> list[Request]:
+        """The waiting requests (the oldest LPM_WINDOW of them) in admission order: those
+        past the age bound by arrival, then the rest by cached prefix, longest first."""
+        now = self._clock()
+        oldest = now - self.config.age_bound_s
+        num_cached = self.kv_cache_manager.num_cached_tokens
+        candidates = list(islice(self.waiting, LPM_WINDOW))
+
+        def key(request: Request) -> tuple[bool, int, float]:
+            if request.arrival_time < oldest:
+                return (False, 0, request.arrival_time)
+            return (True, -num_cached(request), request.arrival_time)
+
+        return sorted(candidates, key=key)
+
+    def _admit(
+        self,
+        request: Request,
+        num_hit_tokens: int,
+        num_new: int,
+        scheduled: list[ScheduledRequest],
+    ) -> int:
+        """Move a request whose blocks were just allocated to `running`; its token count."""
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = _RUNNING
+        self.running.append(request)
+        scheduled.append(self._make_scheduled(request, num_new))
+        return num_new
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -108,7 +108,7 @@ def _non_negative_float(text: str) -> float:
 _ENGINE_FIELDS = (
     "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "prefix_cache_hash", "seed", "attention_backend", "quantization", "cache_dir",
+    "prefix_cache_hash", "scheduling_policy", "age_bound_s", "seed", "attention_backend", "quantization", "cache_dir",
     "tensor_parallel_size",
 )  # fmt: skip
 
@@ -130,6 +130,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_positive_int, help="context length")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
+    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"],
+                   help="admission order: fcfs (default), or lpm: the waiting request with "
+                   "the longest cached prefix first")  # fmt: skip
+    g.add_argument("--age-bound", dest="age_bound_s", type=_non_negative_float,
+                   help="lpm: seconds after which a waiting request is admitted in arrival "
+                   "order, before any the cache prefers (default 5)")  # fmt: skip
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend")
     g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],

@@ -207,3 +207,55 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     assert fp32_engine.compute_summary == (
         "attention sdpa, weights: projections float32 x8, embedding float32, head float32"
     )
+
+
+def test_lpm_admission_changes_the_order_not_the_tokens(model_dir):
+    """Cache-aware admission on the real model: the hot requests go first (their prefix is
+    cached) and a cold one is chunked beside them, yet every greedy output equals
+    first-come first-served's."""
+    warm = list(range(200, 248))
+    prompts = [list(range(300, 340)), warm + [7, 8], list(range(400, 437)), warm + [9]]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    outputs, first_admitted = {}, {}
+    for policy in ("fcfs", "lpm"):
+        eng = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64,
+                                     block_size=8, max_num_batched_tokens=24,
+                                     scheduling_policy=policy))  # fmt: skip
+        eng.add_request("warm", warm, params)
+        run_until_done(eng)
+        for i, ids in enumerate(prompts):
+            eng.add_request(f"p{i}", ids, params)
+        eng.step()
+        first_admitted[policy] = [r.request_id for r in eng.scheduler.running]
+        finished = run_until_done(eng)
+        outputs[policy] = [finished[f"p{i}"].token_ids for i in range(4)]
+        assert eng.kv_cache_manager.num_free_blocks == eng.num_blocks
+    assert first_admitted == {"fcfs": ["p0"], "lpm": ["p1", "p3", "p0"]}
+    assert outputs["lpm"] == outputs["fcfs"]
+
+
+def test_a_retry_after_a_failed_step_does_not_hit_the_blocks_it_never_wrote(model_dir, monkeypatch):
+    """Blocks are cached when allocated, before the step writes them: a step that fails
+    must take its new blocks out of the prefix cache, or a retry of the same prompt would
+    read KV that was never computed."""
+    eng = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64,
+                                 block_size=8))  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt = list(range(500, 540))  # 5 full blocks
+    eng.add_request("alone", prompt, params)
+    expected = run_until_done(eng)["alone"].token_ids
+    eng.reset_prefix_cache()
+    real_execute = eng.runner.execute
+
+    def execute(sched_out):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    eng.add_request("first-try", prompt, params)
+    with pytest.raises(StepError):
+        eng.step()
+    monkeypatch.setattr(eng.runner, "execute", real_execute)
+    eng.add_request("retry", prompt, params)
+    assert run_until_done(eng)["retry"].token_ids == expected
+    assert eng.stats.prefix_cache_hits == 0
+    eng.kv_cache_manager.check_invariants()

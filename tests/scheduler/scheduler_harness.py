@@ -79,11 +79,16 @@ def item_slot(slots, block_ids, pos: int, bs: int):
 
 
 class Harness:
-    """Drives a Scheduler with the fake model and checks invariants around every step."""
+    """Drives a Scheduler with the fake model and checks invariants around every step.
+
+    Time is a fake clock that moves one second per step: requests arrive at `now`, and
+    lpm's age bound counts steps.
+    """
 
     def __init__(self, config: SchedulerConfig, next_token=fake_next_token) -> None:
         self.config = config
-        self.sched = Scheduler(config)
+        self.now = 0.0
+        self.sched = Scheduler(config, clock=lambda: self.now)
         self.mgr = self.sched.kv_cache_manager
         self.model = FakePagedModel(config.num_blocks, config.block_size, next_token)
         self.next_token = next_token
@@ -99,7 +104,12 @@ class Harness:
         **params,
     ) -> Request:
         request = Request(
-            request_id, prompt, SamplingParams(**params), eos_token_ids, cache_salt=cache_salt
+            request_id,
+            prompt,
+            SamplingParams(**params),
+            eos_token_ids,
+            cache_salt=cache_salt,
+            arrival_time=self.now,
         )
         self.sched.add_request(request)
         self.requests[request_id] = request
@@ -117,6 +127,7 @@ class Harness:
         assert {r.request_id for r in got} == set(sampled)
         self.outputs.append(out)
         self.check_state()
+        self.now += 1.0
         return out
 
     def run(self, max_steps: int = 10_000) -> None:

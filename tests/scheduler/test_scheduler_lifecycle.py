@@ -207,3 +207,23 @@ def test_config_is_checked_when_the_scheduler_is_built():
     cfg.num_blocks = 0
     with pytest.raises(ValueError, match="num_blocks"):
         Scheduler(cfg)
+
+
+@pytest.mark.parametrize("written_steps", [0, 1])
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(written_steps):
+    # Blocks are cached when allocated; a step that never ran must take them back out, or
+    # the retry below hits slots nobody wrote (the fake model refuses to read those).
+    h = Harness(make_config(max_num_batched_tokens=16, block_size=4))
+    tokens = prompt(5, 40)
+    h.add("a", tokens, max_tokens=3)
+    for _ in range(written_steps):
+        h.step()  # its first chunk is written and stays cached
+    failed = h.sched.schedule()  # the model never runs this step
+    h.sched.uncache_failed_step(failed)
+    h.sched.abort_requests(["a"])
+    h.check_state()
+    assert len(h.mgr.cached_block_ids()) == 4 * written_steps
+    h.add("retry", tokens, max_tokens=3)
+    h.run()
+    assert h.requests["retry"].num_cached_tokens == 16 * written_steps
+    assert_outputs_match_reference(h)

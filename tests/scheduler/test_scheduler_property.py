@@ -45,6 +45,8 @@ def test_random_traffic_keeps_every_invariant(data):
         max_model_len=data.draw(st.integers(2, 60)),
         enable_prefix_caching=data.draw(st.booleans()),
         prefix_cache_hash=data.draw(st.sampled_from(["builtin", "sha256"])),
+        scheduling_policy=data.draw(st.sampled_from(["fcfs", "lpm"])),
+        age_bound_s=data.draw(st.sampled_from([0.0, 3.0])),
     )
     h = Harness(cfg)
     index = 0

@@ -354,10 +354,11 @@ def test_cli_engine_flags_map_to_engine_config():
          "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--max-model-len", "256", "--no-prefix-caching", "--prefix-cache-hash", "sha256",
          "--seed", "3", "--port", "9000", "--api-key", "k", "--max-waiting-requests", "4",
-         "--quantization", "int8"]
+         "--quantization", "int8", "--scheduling-policy", "lpm", "--age-bound", "2.5"]
     )  # fmt: skip
     config = engine_config_from_args(args)
     assert config.quantization == "int8"
+    assert (config.scheduling_policy, config.age_bound_s) == ("lpm", 2.5)
     assert (config.model, config.dtype, config.device, config.block_size) == (
         "/m",
         "float32",
