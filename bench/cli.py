@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_NAMES = ("shared-prefix", "zipf-prefix", "unique", "multi-turn")
+from bench.workloads import WORKLOADS as WORKLOAD_NAMES
+
 HELP = "load-test an OpenAI-compatible server (`compare`: several servers; see bench/README.md)"
 
 
@@ -57,13 +58,14 @@ def workload_list(text: str) -> list[str]:
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", type=workload_list, default=["shared-prefix"],
-                   help="comma-separated: shared-prefix, zipf-prefix, unique, multi-turn "
+                   help="comma-separated: shared-prefix, zipf-prefix, bursty-prefix, unique, "
+                   "multi-turn "
                    "(default shared-prefix)")  # fmt: skip
     g.add_argument("--num-requests", type=_positive_int, default=64)
     g.add_argument("--prefix-len", type=int, default=500,
                    help="tokens of each prompt's prefix (multi-turn: the context)")  # fmt: skip
     g.add_argument("--num-prefixes", type=_positive_int, default=4,
-                   help="shared- and zipf-prefix: number of prefix groups")  # fmt: skip
+                   help="shared-, zipf- and bursty-prefix: number of prefix groups")  # fmt: skip
     g.add_argument("--question-len", type=_positive_int, default=16,
                    help="tokens of each question (after the prefix)")  # fmt: skip
     g.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: turns each")
@@ -125,13 +127,14 @@ SERVER_NAMES = (
     "transformers-serve",
 )
 SERVERS_HELP = (
-    "comma-separated, from: pagedserve, pagedserve-no-cache (prefix caching off), naive "
+    "comma-separated, from: pagedserve, pagedserve-no-cache (prefix caching off), "
+    "pagedserve-lpm (--scheduling-policy lpm), naive "
     "(bench/naive_server.py), llama-cpp-python (python -m llama_cpp.server: one request at a "
     "time behind a lock, no parallel slots; not llama.cpp's own server), llama-server "
     "(llama.cpp's own server, continuous batching over its default slot count), "
     "llama-server-npN (the same with N parallel slots, e.g. llama-server-np32), "
     "transformers-serve (transformers serve --continuous-batching). Default: all but "
-    "llama-server-npN; a peer that is not installed is skipped with a notice"
+    "pagedserve-lpm and llama-server-npN; a peer that is not installed is skipped with a notice"
 )
 
 

@@ -67,7 +67,9 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment
 
 
-def _pagedserve(args: argparse.Namespace, caching: bool) -> Callable[[int], list[str]]:
+def _pagedserve(
+    args: argparse.Namespace, caching: bool, policy: str | None = None
+) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         argv = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--log-level", "warning"]
@@ -77,6 +79,8 @@ def _pagedserve(args: argparse.Namespace, caching: bool) -> Callable[[int], list
             argv += ["--dtype", args.dtype]
         if not caching:
             argv.append("--no-prefix-caching")
+        if policy is not None:
+            argv += ["--scheduling-policy", policy]
         return argv + shlex.split(args.pagedserve_args)
 
     return command
@@ -207,6 +211,8 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
             specs.append(ServerSpec(name, _pagedserve(args, caching=True)))
         elif name == "pagedserve-no-cache":
             specs.append(ServerSpec(name, _pagedserve(args, caching=False)))
+        elif name == "pagedserve-lpm":
+            specs.append(ServerSpec(name, _pagedserve(args, caching=True, policy="lpm")))
         elif name == "naive":
             specs.append(ServerSpec(name, _naive(args)))
         elif name == "llama-cpp-python":
@@ -248,7 +254,7 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
                 )
             )
         else:
-            choices = ", ".join((*SERVER_NAMES, "llama-server-npN"))
+            choices = ", ".join((*SERVER_NAMES, "pagedserve-lpm", "llama-server-npN"))
             hint = " (llama.cpp is now llama-cpp-python: its server)" if name == "llama.cpp" else ""
             raise SystemExit(f"unknown server {name!r}: choose from {choices}{hint}")
     return specs

@@ -1,6 +1,6 @@
 """Deterministic prompts of chosen token lengths for the load generator.
 
-Three workloads, all built from a fixed word list and a seed (same seed, same prompts):
+Five workloads, all built from a fixed word list and a seed (same seed, same prompts):
 
 - `shared-prefix`: P groups; every prompt of a group is the group's long fixed prefix
   followed by a short question no other prompt has. Request i belongs to group i % P.
@@ -8,6 +8,10 @@ Three workloads, all built from a fixed word list and a seed (same seed, same pr
   popularity (group g with weight 1 / (g + 1)): a few prefixes are hot, most are cold,
   so with many groups the distinct prefixes outgrow the KV pool and what stays cached
   decides the hit rate (issue 26's overflowing-prefix load).
+- `bursty-prefix`: as shared-prefix with P new prefixes whose requests all arrive together,
+  interleaved in a shuffled order: while the first request of a prefix prefills, its
+  followers and other prefixes' requests queue behind it (issue 26's cache-aware
+  admission load).
 - `unique`: the same lengths, but every prompt has a prefix of its own.
 - `multi-turn`: conversations; turn k+1 resends the whole history (a unique context, the
   earlier questions and the answers the server gave) plus a new question.
@@ -24,8 +28,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-WORKLOADS = ("shared-prefix", "zipf-prefix", "unique", "multi-turn")
-PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix")  # prompts grouped by a shared prefix
+WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn")
+# Prompts grouped by a shared prefix.
+PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix")
 
 # Plain lower-case English words: each is one or two tokens in any byte-level BPE, so a
 # prompt's token count follows its word count closely and trimming is exact.
@@ -172,7 +177,8 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
     if spec.name == "multi-turn":
         raise ValueError("multi-turn is built with build_conversations")
     prefixes = shared_prefixes(spec, tokenizer) if spec.name in PREFIX_WORKLOADS else None
-    groups = zipf_groups(spec) if spec.name == "zipf-prefix" else None
+    groups = {"zipf-prefix": zipf_groups, "bursty-prefix": shuffled_groups}.get(spec.name)
+    groups = groups(spec) if groups is not None else None
     prompts = []
     for i in range(spec.num_requests):
         question = question_text(tokenizer, _rng(spec, "question", i), i, spec.question_len)
@@ -191,6 +197,13 @@ def zipf_groups(spec: WorkloadSpec, exponent: float = 1.0) -> list[int]:
     weights = [1.0 / (g + 1) ** exponent for g in range(spec.num_prefixes)]
     rng = _rng(spec, "zipf")
     return rng.choices(range(spec.num_prefixes), weights=weights, k=spec.num_requests)
+
+
+def shuffled_groups(spec: WorkloadSpec) -> list[int]:
+    """Each request's prefix group: groups as equal as they divide, in a shuffled order."""
+    groups = [i % spec.num_prefixes for i in range(spec.num_requests)]
+    _rng(spec, "bursty").shuffle(groups)
+    return groups
 
 
 def build_conversations(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Conversation]:

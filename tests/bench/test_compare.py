@@ -69,6 +69,11 @@ def test_server_commands(monkeypatch, capsys):
     on, off = specs["pagedserve"].command(1234), specs["pagedserve-no-cache"].command(1234)
     assert "--no-prefix-caching" not in on and "--no-prefix-caching" in off
     assert on[-2:] == ["--seed", "3"] and on[on.index("--port") + 1] == "1234"
+    assert "pagedserve-lpm" not in specs  # a variant asked for by name only
+    (lpm,) = compare.server_specs(parse_compare("--servers", "pagedserve-lpm"))
+    argv = lpm.command(1)
+    assert argv[argv.index("--scheduling-policy") + 1] == "lpm"
+    assert "--scheduling-policy" not in on
     assert specs["naive"].command(5)[1:3] == ["-m", "bench.naive_server"]
     assert args.concurrency == [1, 8, 32] and args.workload == ["shared-prefix", "unique"]
     if "llama-cpp-python" in specs:  # installed: same GGUF, no interrupts

@@ -99,3 +99,15 @@ def test_conversations_split_the_requests_and_resend_the_history(tokenizer):
 def test_bad_specs_are_refused(fields):
     with pytest.raises(ValueError):
         WorkloadSpec(**fields)
+
+
+def test_bursty_prefix_groups_are_equal_and_interleaved(tokenizer):
+    spec = WorkloadSpec("bursty-prefix", num_requests=24, prefix_len=24, num_prefixes=4)
+    prompts = build_prompts(spec, tokenizer)
+    groups = [p.group for p in prompts]
+    assert sorted(groups) == sorted(i % 4 for i in range(24))
+    assert groups != sorted(groups) and groups != [i % 4 for i in range(24)]  # shuffled
+    prefixes = [encode(tokenizer, p) for p in shared_prefixes(spec, tokenizer)]
+    for prompt in prompts:
+        assert encode(tokenizer, prompt.text)[:24] == prefixes[prompt.group]
+    assert build_prompts(spec, tokenizer) == prompts
