@@ -195,8 +195,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
+        queue_timeout: float | None = None,
     ) -> None:
         """Queue a request; ValueError (naming the limit) when it can never run.
+
+        `priority`: lower is admitted (and kept from preemption) first. `queue_timeout`:
+        seconds it may wait before its first step; past them it finishes unscheduled
+        with finish_reason "queue_timeout".
 
         A request with structured outputs compiles its grammar here unless it is cached:
         the server compiles it beforehand on another thread, so the step never waits.
@@ -208,6 +214,8 @@ class LLMEngine:
             params,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            priority=priority,
+            queue_timeout=queue_timeout,
         )
         self.structured_outputs.add_request(request)  # GrammarError before anything is queued
         try:
@@ -262,7 +270,8 @@ class LLMEngine:
 
         A failure is confined to the requests the step scheduled: they are aborted here,
         so their blocks and per-request state are freed, and the next step runs without
-        them; the blocks the step was to write leave the prefix cache. A failure before anything was scheduled propagates as it is.
+        them; the blocks the step was to write leave the prefix cache. A failure before
+        anything was scheduled propagates as it is.
         """
         sched_out = self.scheduler.schedule()
         try:
@@ -273,6 +282,7 @@ class LLMEngine:
                 sched_out, {rid: s.token_id for rid, s in sampled.items()}
             )
             outputs = [self._make_output(req, sampled[req.request_id]) for req in updated]
+            outputs += [self._timed_out_output(req) for req in sched_out.timed_out]
         except Exception as exc:
             ids = [s.request_id for s in sched_out.scheduled]
             self.scheduler.uncache_failed_step(sched_out)
@@ -316,6 +326,23 @@ class LLMEngine:
             self._logprobs.pop(req.request_id, None)
             self.structured_outputs.remove(req.request_id)
         return output
+
+    def _timed_out_output(self, req: Request) -> RequestOutput:
+        """The final output of a request whose queue deadline passed before it ran."""
+        self._detokenizers.pop(req.request_id, None)
+        self._logprobs.pop(req.request_id, None)
+        self.structured_outputs.remove(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=[],
+            text="",
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=0,
+        )
 
     def _record_logprob(
         self, request_id: str, logprob: TokenLogprob | None

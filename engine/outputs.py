@@ -23,7 +23,8 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens added by this step
     new_text: str  # text added by this step (held back while it may start a stop string)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "queue_timeout" (never ran) | None while running
+    finish_reason: str | None
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
     new_logprobs: list[TokenLogprob] | None = None  # the ones this step added

@@ -32,6 +32,9 @@ class SchedulerOutput:
     # Requests preempted by this step: their blocks are freed; they will be
     # recomputed from the start (mostly from cached blocks) when readmitted.
     preempted_ids: set[str] = field(default_factory=set)
+    # Requests whose queue deadline passed while they waited, never scheduled: finished
+    # (FINISHED_QUEUE_TIMEOUT) by this schedule(); the caller tells their clients.
+    timed_out: list[Request] = field(default_factory=list)
 
     @property
     def num_sampled(self) -> int:

@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # eos, a stop token id or (engine) a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"
+    # Still waiting, never scheduled, when its queue deadline passed.
+    FINISHED_QUEUE_TIMEOUT = "finished_queue_timeout"
 
     @property
     def is_finished(self) -> bool:
@@ -26,6 +28,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_QUEUE_TIMEOUT: "queue_timeout",
 }
 
 
@@ -45,6 +48,8 @@ class Request:
         "stop_screen",
         "cache_salt",
         "arrival_time",
+        "priority",
+        "queue_deadline",
         "output_token_ids",
         "all_token_ids",
         "num_computed_tokens",
@@ -63,6 +68,8 @@ class Request:
         eos_token_ids: Collection[int] = frozenset(),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        queue_timeout: float | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:  # len, not truthiness: arrays are accepted too
             raise ValueError("prompt_token_ids must not be empty")
@@ -79,6 +86,13 @@ class Request:
         self.stop_screen = self.eos_token_ids | frozenset(sampling_params.stop_token_ids)
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Lower goes first (vLLM's convention); requests of one priority keep the policy's order.
+        self.priority = priority
+        # Past this time (the scheduler's clock) a request never scheduled is finished with
+        # FINISHED_QUEUE_TIMEOUT instead of waiting on.
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {queue_timeout!r}")
+        self.queue_deadline = None if queue_timeout is None else self.arrival_time + queue_timeout
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         # Tokens whose KV is in the cache (or is being written by the step just scheduled).
@@ -111,7 +125,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """ "stop" | "length" | "abort", or None while the request is unfinished."""
+        """ "stop" | "length" | "abort" | "queue_timeout", or None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:

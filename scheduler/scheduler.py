@@ -9,8 +9,13 @@ prefix first ("lpm", see `_schedule_waiting_lpm`). A prompt longer than the
 budget left is prefilled in chunks over several steps.
 
 When a running request cannot get a block, the most recently admitted running
-request is preempted by recompute: its blocks are freed and it goes back to
-the head of `waiting`, to be recomputed later (mostly from cached blocks).
+request (with priorities: the least important, lowest `priority` value last) is
+preempted by recompute: its blocks are freed and it goes back to the head of
+`waiting`, to be recomputed later (mostly from cached blocks).
+
+Per request: `priority` orders admission ahead of the policy (lower first), and a
+queue deadline finishes a request that is still waiting, never scheduled, when it
+passes (FINISHED_QUEUE_TIMEOUT, listed in the step's `timed_out`).
 
 Bookkeeping convention: `schedule()` advances `num_computed_tokens` by the
 tokens it schedules (the KV manager's contract: allocate, then advance), so
@@ -24,6 +29,7 @@ already has.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -69,6 +75,13 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()  # since the last schedule()
+        # (queue deadline, tie-break, request) of requests that have one, earliest first;
+        # entries of requests scheduled or finished since are skipped when they surface.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._num_added = 0
+        # Unfinished requests with a priority other than 0: while there are none, the
+        # FCFS queue needs no sorting.
+        self._num_prioritized = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -81,6 +94,11 @@ class Scheduler:
         self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._num_added += 1
+        if request.queue_deadline is not None:
+            heapq.heappush(self._deadlines, (request.queue_deadline, self._num_added, request))
+        if request.priority:
+            self._num_prioritized += 1
 
     def _check_fits(self, request: Request) -> None:
         cfg = self.config
@@ -137,6 +155,8 @@ class Scheduler:
         """Forget a finished request (its blocks are already freed; queues are fixed by the caller)."""
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        if request.priority:
+            self._num_prioritized -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -152,6 +172,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        timed_out = self._expire_waiting() if self._deadlines else []
         scheduled: list[ScheduledRequest] = []
         preempted_ids: set[str] = set()
         max_tokens = self.config.max_num_batched_tokens
@@ -161,7 +182,25 @@ class Scheduler:
         if not preempted_ids:
             budget = self._schedule_waiting(budget, scheduled)
         finished_ids, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, finished_ids, max_tokens - budget, preempted_ids)
+        return SchedulerOutput(
+            scheduled, finished_ids, max_tokens - budget, preempted_ids, timed_out
+        )
+
+    def _expire_waiting(self) -> list[Request]:
+        """Finish the requests whose queue deadline passed before they were ever scheduled
+        (FINISHED_QUEUE_TIMEOUT). A preempted request has begun and is not timed out."""
+        now = self._clock()
+        deadlines = self._deadlines
+        expired = []
+        while deadlines and deadlines[0][0] <= now:
+            request = heapq.heappop(deadlines)[2]
+            if request.status is RequestStatus.WAITING:
+                expired.append(request)
+        if expired:
+            self.finish_requests(
+                [r.request_id for r in expired], RequestStatus.FINISHED_QUEUE_TIMEOUT
+            )
+        return expired
 
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledRequest], preempted_ids: set[str]
@@ -184,9 +223,9 @@ class Scheduler:
                 num_new = budget
             new_blocks = allocate(request, num_new)
             while new_blocks is None:
-                # Victims come from the tail, which this loop has not reached yet,
-                # so nothing already scheduled this step loses its blocks.
-                victim = running.pop()
+                # Victims come from the part this loop has not reached yet, so nothing
+                # already scheduled this step loses its blocks.
+                victim = self._pop_victim(running, index)
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
                 if victim is request:
@@ -209,9 +248,18 @@ class Scheduler:
             index += 1
         return budget
 
+    def _pop_victim(self, running: list[Request], index: int) -> Request:
+        """Take the request to preempt out of `running[index:]` (index: the one asking for
+        blocks): the last admitted; with priorities, the least important, the last
+        admitted among equals (the asking request itself when it is that one)."""
+        if not self._num_prioritized:
+            return running.pop()
+        pos = max(range(index, len(running)), key=lambda i: (running[i].priority, i))
+        return running.pop(pos)
+
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        if self._lpm and len(self.waiting) > 1:
-            return self._schedule_waiting_lpm(budget, scheduled)
+        if (self._lpm or self._num_prioritized) and len(self.waiting) > 1:
+            return self._schedule_waiting_ordered(budget, scheduled)
         mgr = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
@@ -226,8 +274,11 @@ class Scheduler:
             budget -= self._admit(request, num_hit_tokens, num_new, scheduled)
         return budget
 
-    def _schedule_waiting_lpm(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit by longest cached prefix (SGLang's lpm): a request whose prefix the cache
+    def _schedule_waiting_ordered(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit in `_admission_order`; as in FCFS, the first request that does not get
+        its blocks stops admission for this step.
+
+        lpm: by longest cached prefix (SGLang's lpm): a request whose prefix the cache
         holds costs a fraction of a cold one, and is served before LRU evicts the prefix.
         Past the age bound a request goes in arrival order ahead of the others, so none
         waits forever.
@@ -241,7 +292,7 @@ class Scheduler:
         running = self.running
         max_num_seqs = self.config.max_num_seqs
         admitted: set[str] = set()
-        for request in self._lpm_order():
+        for request in self._admission_order():
             if budget <= 0 or len(running) >= max_num_seqs:
                 break
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
@@ -254,18 +305,20 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id not in admitted)
         return budget
 
-    def _lpm_order(self) -> list[Request]:
-        """The waiting requests (the oldest LPM_WINDOW of them) in admission order: those
-        past the age bound by arrival, then the rest by cached prefix, longest first."""
-        now = self._clock()
-        oldest = now - self.config.age_bound_s
-        num_cached = self.kv_cache_manager.num_cached_tokens
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in admission order: by priority, lowest first; within a
+        priority, fcfs: by arrival; lpm (the oldest LPM_WINDOW requests only): those past
+        the age bound by arrival, then the others by cached prefix, longest first."""
+        if not self._lpm:
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
         candidates = list(islice(self.waiting, LPM_WINDOW))
+        oldest = self._clock() - self.config.age_bound_s
+        num_cached = self.kv_cache_manager.num_cached_tokens
 
-        def key(request: Request) -> tuple[bool, int, float]:
+        def key(request: Request) -> tuple[int, bool, int, float]:
             if request.arrival_time < oldest:
-                return (False, 0, request.arrival_time)
-            return (True, -num_cached(request), request.arrival_time)
+                return (request.priority, False, 0, request.arrival_time)
+            return (request.priority, True, -num_cached(request), request.arrival_time)
 
         return sorted(candidates, key=key)
 

@@ -78,23 +78,29 @@ def build_app(
     max_waiting_requests: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    queue_timeout: float | None = None,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
     `served_model_name` defaults to the engine's model name; `api_key` guards every
     route but /health and /metrics; `max_waiting_requests` turns requests away with
     503 + Retry-After while that many engine requests wait to be scheduled;
-    `max_seqs_per_request` caps prompts x n of one request (400 beyond it).
+    `max_seqs_per_request` caps prompts x n of one request (400 beyond it);
+    `queue_timeout` is the seconds a request may wait unscheduled unless it sets its own
+    (then 503 `queue_timeout`).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
+    if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
+        raise ValueError(f"queue_timeout must be a number of seconds > 0, got {queue_timeout}")
     ctx = ServingContext(
         engine=engine_client,
         served_model_name=served_model_name or engine_client.model_name,
         max_waiting_requests=max_waiting_requests,
         max_seqs_per_request=max_seqs_per_request,
+        queue_timeout=queue_timeout,
     )
 
     @asynccontextmanager

@@ -62,6 +62,18 @@ class EngineDeadError(EngineError):
     """The engine loop is not running (it failed, or the server is shutting down)."""
 
 
+class QueueTimeoutError(EngineError):
+    """The request waited past its queue timeout without being scheduled."""
+
+    def __init__(self, request_id: str, queue_timeout: float) -> None:
+        super().__init__(
+            f"request {request_id} waited {queue_timeout:g} s in the queue without being "
+            "scheduled (queue_timeout)"
+        )
+        self.request_id = request_id
+        self.queue_timeout = queue_timeout
+
+
 class EngineShutdownError(EngineDeadError):
     """The server is shutting down: in-flight requests were aborted."""
 
@@ -79,6 +91,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    priority: int = 0
+    queue_timeout: float | None = None
 
 
 # ------------------------------------------------------------------ commands to the thread
@@ -400,7 +414,10 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             for r in command.requests:
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
+                self.engine.add_request(
+                    r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
+                    r.priority, r.queue_timeout,
+                )  # fmt: skip
                 added.append(r.request_id)
         except Exception as exc:  # ValueError: impossible request; anything else: a bug
             if not isinstance(exc, ValueError):
@@ -412,9 +429,9 @@ class AsyncEngine:
             self._num_queued -= len(command.requests)
         if error is None:
             self._num_engine_waiting += len(added)
-            for rid in added:
-                self._streams[rid] = command.stream
-                self._times[rid] = RequestTimes(arrival=command.arrival)
+            for r in command.requests:
+                self._streams[r.request_id] = command.stream
+                self._times[r.request_id] = RequestTimes(command.arrival, r.queue_timeout)
         self._resolve(command.future, None, error)
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -436,14 +453,22 @@ class AsyncEngine:
         self._failed_steps = 0
         now = time.monotonic()
         by_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
+        timed_out = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
+                continue
+            if out.finish_reason == "queue_timeout":
+                timed_out.append(out.request_id)
                 continue
             by_stream.setdefault(id(stream), (stream, []))[1].append(out)
             self._track(out, now)
         if by_stream:
             self._post(_deliver, list(by_stream.values()))
+        for rid in timed_out:  # a whole response fails: its other choices are aborted
+            if rid in self._streams:
+                timeout = self._times[rid].queue_timeout or 0.0
+                self._fail_requests([rid], QueueTimeoutError(rid, timeout), "queue_timeout")
         stats = self.engine.stats
         self._num_engine_waiting = stats.num_waiting
         self.metrics.on_step(stats)
@@ -467,7 +492,9 @@ class AsyncEngine:
                 f"{self._failed_steps} engine steps failed in a row; last: {exc}"
             ) from exc
 
-    def _fail_requests(self, request_ids: list[str], error: EngineError) -> None:
+    def _fail_requests(
+        self, request_ids: list[str], error: EngineError, finish_reason: str = "error"
+    ) -> None:
         """End these requests' streams with `error`; a stream's other requests (its other
         choices) cannot complete its response any more, so they are aborted too."""
         streams = {id(s): s for rid in request_ids if (s := self._streams.get(rid)) is not None}
@@ -476,7 +503,7 @@ class AsyncEngine:
         now = time.monotonic()
         for rid in request_ids:
             if self._streams.pop(rid, None) is not None:
-                self.metrics.on_request_done(self._times.pop(rid), "error", now)
+                self.metrics.on_request_done(self._times.pop(rid), finish_reason, now)
         self._abort([rid for stream in streams.values() for rid in stream.request_ids])
         self._post(_fail_streams, list(streams.values()), error)
 

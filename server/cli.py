@@ -92,6 +92,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -196,6 +203,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_SEQS_PER_REQUEST,
                    help="answer 400 to a request for more sequences (prompts x n) than this "
                    "(default %(default)s)")  # fmt: skip
+    g.add_argument("--queue-timeout", type=_positive_float,
+                   help="seconds a request may wait before its first step; past them it is "
+                   "answered 503 queue_timeout (default: no limit; a request's own "
+                   "`queue_timeout` field wins)")  # fmt: skip
     g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
                    "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
@@ -242,7 +253,8 @@ def run_replicas(args: argparse.Namespace) -> int:
     server = {"served_model_name": args.served_model_name, "api_key": args.api_key,
               "max_waiting_requests": args.max_waiting_requests,
               "max_request_body_bytes": args.max_request_body_bytes,
-              "max_seqs_per_request": args.max_seqs_per_request}  # fmt: skip
+              "max_seqs_per_request": args.max_seqs_per_request,
+              "queue_timeout": args.queue_timeout}  # fmt: skip
     app = build({"num_replicas": args.data_parallel_size, "router": args.router,
                  "engine": engine, "server": server})  # fmt: skip
     ray.init(include_dashboard=False)
@@ -286,6 +298,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         max_seqs_per_request=args.max_seqs_per_request,
+        queue_timeout=args.queue_timeout,
     )
     print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
     limits = clamp_to_open_files(connection_limits_from_args(args), raise_open_file_limit())

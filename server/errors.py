@@ -167,6 +167,17 @@ def overloaded(num_waiting: int, retry_after_s: int = 1) -> OpenAIError:
     )
 
 
+def queue_timed_out(reason: str, retry_after_s: int = 1) -> OpenAIError:
+    """A request that waited past its queue timeout without being scheduled."""
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"The server is too busy: {reason}; retry later, or allow a longer queue_timeout.",
+        type=OVERLOADED,
+        code="queue_timeout",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def engine_dead(reason: str) -> OpenAIError:
     return OpenAIError(
         HTTPStatus.SERVICE_UNAVAILABLE,

@@ -31,7 +31,8 @@ logger = logging.getLogger("server.stats")
 disable_created_metrics()
 
 PREFIX = "pagedserve:"
-FINISH_REASONS = ("stop", "length", "abort", "error")  # error: its engine step failed
+# error: its engine step failed; queue_timeout: it waited past its queue timeout, unscheduled.
+FINISH_REASONS = ("stop", "length", "abort", "error", "queue_timeout")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -54,6 +55,7 @@ class RequestTimes:
     """One engine request's timeline (time.monotonic seconds), kept by the engine thread."""
 
     arrival: float
+    queue_timeout: float | None = None  # seconds, as the request asked (for its error)
     first_token: float | None = None
     num_tokens: int = 0
 

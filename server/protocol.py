@@ -29,6 +29,7 @@ MAX_TOP_K = 2**31 - 1
 # dividing the logits by it could overflow.
 MIN_SAMPLING_TEMPERATURE = SamplingParams.GREEDY_TEMPERATURE
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_QUEUE_TIMEOUT_S = 86_400.0  # a day: past it a deadline is no deadline
 LOGIT_BIAS_LIMIT = 100.0
 
 # vLLM-style extras and OpenAI fields this server cannot honour.
@@ -284,6 +285,10 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     cache_salt: NonEmptyStr | None = None
+    # Scheduling (vLLM's `priority`: lower first); seconds a request may wait before its
+    # first step, past which it is answered 503 `queue_timeout` (default: --queue-timeout).
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    queue_timeout: float | None = Field(default=None, gt=0, le=MAX_QUEUE_TIMEOUT_S)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the older
     # guided_* names (at most one of them).
     response_format: ResponseFormat | None = None

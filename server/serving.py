@@ -28,6 +28,7 @@ from server.async_engine import (
     EngineError,
     EngineRequest,
     EngineShutdownError,
+    QueueTimeoutError,
     RequestStream,
 )
 from server.errors import (
@@ -38,6 +39,7 @@ from server.errors import (
     from_value_error,
     model_not_found,
     overloaded,
+    queue_timed_out,
     shutting_down,
 )
 from server.protocol import OpenAIBaseModel, SamplingFields, check_context_length
@@ -58,6 +60,7 @@ class ServingContext:
     served_model_name: str
     max_waiting_requests: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    queue_timeout: float | None = None  # seconds; a request's own queue_timeout wins
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 
@@ -152,7 +155,9 @@ async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> RequestS
 
 def in_flight_error(exc: EngineError) -> OpenAIError:
     """The error for a request the engine stopped serving midway (a failed step, a dead
-    engine: 500 engine_error; a shutdown: 503)."""
+    engine: 500 engine_error; a shutdown or a queue timeout: 503)."""
+    if isinstance(exc, QueueTimeoutError):
+        return queue_timed_out(str(exc))
     return shutting_down() if isinstance(exc, EngineShutdownError) else engine_failed(str(exc))
 
 
@@ -303,6 +308,8 @@ def engine_requests_for_prompt(
             prompt_ids,
             sampling_params(req, max_tokens, logprobs, i, ctx.engine.vocab_size, structured),
             req.cache_salt,
+            req.priority,
+            req.queue_timeout if req.queue_timeout is not None else ctx.queue_timeout,
         )
         for i in range(n)
     ]

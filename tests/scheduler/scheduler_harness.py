@@ -101,6 +101,8 @@ class Harness:
         prompt: Sequence[int],
         eos_token_ids: Collection[int] = frozenset(),
         cache_salt: str | None = None,
+        priority: int = 0,
+        queue_timeout: float | None = None,
         **params,
     ) -> Request:
         request = Request(
@@ -110,6 +112,8 @@ class Harness:
             eos_token_ids,
             cache_salt=cache_salt,
             arrival_time=self.now,
+            priority=priority,
+            queue_timeout=queue_timeout,
         )
         self.sched.add_request(request)
         self.requests[request_id] = request
@@ -121,6 +125,10 @@ class Harness:
         }
         before.update({r.request_id: (0, len(r.all_token_ids)) for r in self.sched.waiting})
         out = self.sched.schedule()
+        for request in out.timed_out:  # only a request that never ran, past its deadline
+            assert request.status is RequestStatus.FINISHED_QUEUE_TIMEOUT
+            assert request.num_cached_tokens == -1 and request.queue_deadline <= self.now
+            assert request.request_id in out.finished_ids
         self.check_schedule(out, before)
         sampled = self.model.run(out)
         got = self.sched.update_from_output(out, sampled)
@@ -217,6 +225,9 @@ def prompt(seed: int, length: int) -> list[int]:
 def assert_outputs_match_reference(h: Harness) -> None:
     for request in h.requests.values():
         tokens, reason = h.expected(request)
+        if request.finish_reason == "queue_timeout":
+            assert request.output_token_ids == []
+            continue
         if request.finish_reason == "abort":  # cut short: what it got is still right
             assert request.output_token_ids == tokens[: request.num_output_tokens]
             continue
