@@ -354,7 +354,7 @@ def test_cli_engine_flags_map_to_engine_config():
          "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--max-model-len", "256", "--no-prefix-caching", "--prefix-cache-hash", "sha256",
          "--seed", "3", "--port", "9000", "--api-key", "k", "--max-waiting-requests", "4",
-         "--quantization", "int8", "--scheduling-policy", "lpm", "--age-bound", "2.5"]
+         "--quantization", "int8", "--scheduling-policy", "lpm", "--age-bound", "2.5", "--queue-timeout", "3"]
     )  # fmt: skip
     config = engine_config_from_args(args)
     assert config.quantization == "int8"
@@ -374,6 +374,10 @@ def test_cli_engine_flags_map_to_engine_config():
     assert not config.enable_prefix_caching and config.prefix_cache_hash == "sha256"
     assert config.seed == 3 and args.port == 9000 and args.host == "127.0.0.1"
     assert args.api_key == "k" and args.max_waiting_requests == 4
+    assert args.queue_timeout == 3.0
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--queue-timeout", bad])
 
 
 def test_cli_defaults_leave_engine_config_defaults():
