@@ -172,7 +172,6 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        timed_out = self._expire_waiting() if self._deadlines else []
         scheduled: list[ScheduledRequest] = []
         preempted_ids: set[str] = set()
         max_tokens = self.config.max_num_batched_tokens
@@ -181,14 +180,16 @@ class Scheduler:
         # the blocks the preempted request will want back.
         if not preempted_ids:
             budget = self._schedule_waiting(budget, scheduled)
+        # After admission: a request that can run now runs, however late it is.
+        timed_out = self._expire_waiting() if self._deadlines else []
         finished_ids, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled, finished_ids, max_tokens - budget, preempted_ids, timed_out
         )
 
     def _expire_waiting(self) -> list[Request]:
-        """Finish the requests whose queue deadline passed before they were ever scheduled
-        (FINISHED_QUEUE_TIMEOUT). A preempted request has begun and is not timed out."""
+        """Finish the requests still waiting, never scheduled, whose queue deadline has
+        passed (FINISHED_QUEUE_TIMEOUT). A preempted request has begun and is spared."""
         now = self._clock()
         deadlines = self._deadlines
         expired = []
