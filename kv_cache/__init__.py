@@ -10,11 +10,13 @@ from kv_cache.block_pool import (
 )
 from kv_cache.hashing import HASH_ALGOS, get_block_hasher, hash_block_tokens, hash_request_tokens
 from kv_cache.manager import KVCacheManager
-from kv_cache.stats import PrefixCacheStats
+from kv_cache.snapshot import PoolSnapshot, PrefixGroup
+from kv_cache.stats import BlockCounts, PrefixCacheStats
 
 __all__ = [
     "HASH_ALGOS",
     "AllBlocksCleared",
+    "BlockCounts",
     "BlockHash",
     "BlockPool",
     "BlockRemoved",
@@ -23,7 +25,9 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
+    "PoolSnapshot",
     "PrefixCacheStats",
+    "PrefixGroup",
     "get_block_hasher",
     "hash_block_tokens",
     "hash_request_tokens",

@@ -29,6 +29,10 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set when the block becomes full and is cached; cleared on eviction.
     block_hash: BlockHash | None = None
+    # The hash of the first block of the chain it was cached in, set and cleared with
+    # block_hash: it groups a prefix's blocks (the dashboard) without walking parents.
+    # Left out of repr: it only repeats which chain block_hash belongs to.
+    root_hash: BlockHash | None = field(default=None, repr=False)
     # Free-queue links; both None exactly when the block is not in the queue.
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)

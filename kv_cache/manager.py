@@ -28,7 +28,8 @@ from typing import Protocol
 from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.hashing import get_block_hasher
-from kv_cache.stats import PrefixCacheStats
+from kv_cache.snapshot import PoolSnapshot, take_snapshot
+from kv_cache.stats import BlockCounts, PrefixCacheStats
 
 
 class RequestLike(Protocol):
@@ -196,7 +197,9 @@ class KVCacheManager:
             # Only blocks whose token ids are all known can be hashed.
             num_full = min(num_tokens, len(token_ids)) // block_size
             if num_full > state.num_cached_blocks:
-                self._cache_blocks(state, token_ids, num_full)
+                # A salted request's prompt is its tenant's: its tokens are never kept for
+                # display (`BlockPool.root_tokens`).
+                self._cache_blocks(state, token_ids, num_full, show=not req.extra_keys)
         return new_blocks
 
     def _count_lookup(self, state: _RequestState) -> None:
@@ -223,12 +226,18 @@ class KVCacheManager:
                     f"call allocate_slots right after get_computed_blocks"
                 )
 
-    def _cache_blocks(self, state: _RequestState, token_ids: list[int], num_full: int) -> None:
+    def _cache_blocks(
+        self, state: _RequestState, token_ids: list[int], num_full: int, show: bool = True
+    ) -> None:
         hashes = state.block_hashes
         if len(hashes) < num_full:
             self._hasher.extend(hashes, token_ids, self.block_size, state.extra, num_full)
         self.block_pool.cache_full_blocks(
-            state.block_ids, hashes, state.num_cached_blocks, num_full
+            state.block_ids,
+            hashes,
+            state.num_cached_blocks,
+            num_full,
+            token_ids[: self.block_size] if show and state.num_cached_blocks == 0 else None,
         )
         state.num_cached_blocks = num_full
 
@@ -274,6 +283,20 @@ class KVCacheManager:
 
     def cached_block_ids(self) -> set[int]:
         return {block.block_id for block in self.block_pool.cached_hash_to_block.values()}
+
+    def block_counts(self) -> BlockCounts:
+        """Free, cached and in-use blocks (O(1))."""
+        return self.block_pool.block_counts()
+
+    def snapshot(self, max_prefixes: int = 10) -> PoolSnapshot:
+        """Every block's state and the prefixes holding the most blocks (O(blocks): for a
+        dashboard's occasional look, not for every step)."""
+        tables = [
+            (state.block_ids, state.block_hashes[0] if state.block_hashes else None)
+            for state in self._requests.values()
+            if state.block_ids
+        ]
+        return take_snapshot(self.block_pool, tables, max_prefixes)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False (nothing done) while any is in use."""

@@ -1,4 +1,4 @@
-"""Prefix-cache counters, in tokens."""
+"""Prefix-cache counters, in tokens, and the block pool's counts by state."""
 
 from __future__ import annotations
 
@@ -23,3 +23,20 @@ class PrefixCacheStats:
 
     def reset(self) -> None:
         self.requests = self.queries = self.hits = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCounts:
+    """The pool's blocks by state; the three states add up to `total`.
+
+    Frozen: the engine thread publishes a new one after each change, and readers on
+    other threads (metrics) see either the old or the new one, never half of each.
+    """
+
+    free: int = 0  # in the free queue holding nothing reusable (never used, or evicted)
+    cached: int = 0  # in the free queue but still holding a reusable prefix (a hit revives it)
+    in_use: int = 0  # held by at least one request
+
+    @property
+    def total(self) -> int:
+        return self.free + self.cached + self.in_use
