@@ -119,7 +119,9 @@ class LLMEngine:
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
-        self.stats = EngineStats()
+        # kv_blocks is published whenever the pool changes (steps, aborts, a cache reset), so
+        # /metrics can read the latest from another thread (server/metrics.py).
+        self.stats = EngineStats(kv_blocks=self.kv_cache_manager.block_counts())
         self.load_seconds = time.perf_counter() - start
         logger.info(
             "loaded %s (%s, %s, %s; %s) in %.1fs; %s",
@@ -250,6 +252,7 @@ class LLMEngine:
             self._detokenizers.pop(rid, None)
             self._logprobs.pop(rid, None)
             self.structured_outputs.remove(rid)
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -261,7 +264,9 @@ class LLMEngine:
             stop_workers(workers)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
+        return done
 
     # ---------------------------------------------------------------------- step
 
@@ -358,6 +363,7 @@ class LLMEngine:
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting
         s.kv_cache_usage = kv.usage
+        s.kv_blocks = kv.block_counts()
         s.prefix_cache_queries = kv.stats.queries
         s.prefix_cache_hits = kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kv_cache import BlockCounts
 
 
 @dataclass
@@ -10,6 +12,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    # The pool's blocks by state; replaced whole (never mutated) whenever the pool changes,
+    # so another thread reading it sees one consistent count.
+    kv_blocks: BlockCounts = field(default_factory=BlockCounts)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found there (cumulative)
     num_preemptions: int = 0  # cumulative

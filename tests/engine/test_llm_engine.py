@@ -118,6 +118,23 @@ def test_stats_follow_the_steps(llm):
     assert eng.stats.num_running == 0 and eng.stats.num_waiting == 0
 
 
+def test_block_counts_are_published_after_steps_aborts_and_resets(llm):
+    """stats.kv_blocks is what /metrics shows between steps too: the pool changes on an
+    abort or a cache reset with no step after it."""
+    eng = llm.engine
+    kv = eng.kv_cache_manager
+    assert eng.stats.kv_blocks == kv.block_counts()
+    eng.add_request("published", list(range(300, 340)), SamplingParams(max_tokens=50))
+    eng.step()
+    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.in_use == 5
+    eng.abort_request(["published"])
+    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.in_use == 0
+    assert eng.stats.kv_blocks.cached >= 5  # the 40-token prompt's 5 blocks stay cached
+    assert eng.reset_prefix_cache()
+    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.cached == 0
+    assert eng.stats.kv_blocks.total == kv.num_blocks
+
+
 def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
     """The CUDA sizing path, run on this device: a profiling pass, then fake GPU figures."""
     monkeypatch.setattr(EngineConfig, "profiles_memory", lambda self, device: True)
