@@ -20,6 +20,7 @@ from fastapi.routing import APIRoute
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.dashboard import PAGE_PATH, add_dashboard_routes
 from server.errors import (
     AnthropicErrorResponse,
     bad_request,
@@ -68,7 +69,8 @@ from server.responses import (
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
 from server.tokens import apply_chat_template
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The dashboard's page holds no data; its JSON (/dashboard/state) needs the key.
+OPEN_PATHS = frozenset({"/health", "/metrics", PAGE_PATH})
 
 
 def build_app(
@@ -83,7 +85,7 @@ def build_app(
     """The HTTP app over a started-on-demand engine bridge.
 
     `served_model_name` defaults to the engine's model name; `api_key` guards every
-    route but /health and /metrics; `max_waiting_requests` turns requests away with
+    route but /health, /metrics and the /dashboard page (not its state); `max_waiting_requests` turns requests away with
     503 + Retry-After while that many engine requests wait to be scheduled;
     `max_seqs_per_request` caps prompts x n of one request (400 beyond it);
     `queue_timeout` is the seconds a request may wait unscheduled unless it sets its own
@@ -118,6 +120,8 @@ def build_app(
     install_openapi(app, ctx)
     _add_openai_routes(app, ctx)
     _add_server_routes(app, ctx)
+    add_dashboard_routes(app, ctx)
+    _watch_kv_blocks(engine_client)
     # The last added middleware runs first: refuse a bad key before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
@@ -232,6 +236,15 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     ) -> Response:
         ctx.check_model(model)
         return JSONResponse(model_card().model_dump())
+
+
+def _watch_kv_blocks(engine_client: AsyncEngine) -> None:
+    """/metrics reads the pool's block counts the engine last published (an immutable
+    object it replaces), so they are right before the first step and after idle aborts."""
+    engine = getattr(engine_client, "engine", None)
+    watch = getattr(engine_client.metrics, "watch_kv_blocks", None)
+    if watch is not None and hasattr(getattr(engine, "stats", None), "kv_blocks"):
+        watch(lambda: engine.stats.kv_blocks)
 
 
 def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:

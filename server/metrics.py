@@ -5,12 +5,19 @@ process (the tests) never collide. The engine thread updates the metrics:
 `on_step` after every step from the engine's cumulative `EngineStats` (counters
 advance by deltas), `on_request_done` when a request finishes or is aborted.
 prometheus_client is thread-safe, and /metrics reads from the event loop.
+
+The pool's blocks by state (`kv_cache_blocks{tier,state}`, `kv_cache_num_blocks{tier}`)
+are read when /metrics is scraped, from the counts the engine thread last published
+(`watch_kv_blocks`; else the last step's): the pool also changes between steps (aborts,
+a cache reset) and before the first one. `tier="pool"` is the device's block pool; a host
+memory tier will add its own series under the same names.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -22,8 +29,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats
+from kv_cache import BlockCounts
 
 logger = logging.getLogger("server.stats")
 
@@ -44,6 +54,9 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 ITERATION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                            5.0, 10.0, 30.0)  # fmt: skip
+
+POOL_TIER = "pool"  # the device's KV block pool (a host tier is planned)
+BLOCK_STATES = ("free", "cached", "in_use")  # BlockCounts' fields, as label values
 
 # The cumulative EngineStats fields mirrored as Prometheus counters.
 _CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
@@ -123,6 +136,20 @@ class ServerMetrics:
         for result in ("hit", "miss"):
             self.grammar_requests.labels(cache=result)
         self._last = EngineStats()
+        self._kv_blocks_source: Callable[[], BlockCounts | None] | None = None
+        r.register(_KVBlocksCollector(self.kv_blocks))
+
+    def watch_kv_blocks(self, source: Callable[[], BlockCounts | None]) -> None:
+        """Read the pool's block counts from `source` at each scrape. It must return what the
+        engine thread published (an immutable `BlockCounts`), never read the pool itself."""
+        self._kv_blocks_source = source
+
+    def kv_blocks(self) -> BlockCounts | None:
+        """The latest block counts: the watched source's, else the last step's."""
+        counts = self._kv_blocks_source() if self._kv_blocks_source is not None else None
+        if counts is None:
+            counts = self._last.kv_blocks
+        return counts if counts.total else None  # all zeros: no pool known yet
 
     def on_grammar(self, cache_hit: bool, seconds: float) -> None:
         """A grammar was looked up (any thread): a hit, or a miss that took `seconds`."""
@@ -164,6 +191,32 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _KVBlocksCollector(Collector):
+    """The block gauges, from one `BlockCounts` per scrape, so the states add up to the
+    total in every scrape (three separate gauges could each be read at another moment)."""
+
+    def __init__(self, counts: Callable[[], BlockCounts | None]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        by_state = GaugeMetricFamily(
+            PREFIX + "kv_cache_blocks",
+            "KV cache blocks by state: free (holding nothing reusable), cached (free, still "
+            "holding a reusable prefix; evicted least recently used first), in_use.",
+            labels=["tier", "state"],
+        )
+        total = GaugeMetricFamily(
+            PREFIX + "kv_cache_num_blocks", "KV cache blocks in the tier.", labels=["tier"]
+        )
+        counts = self._counts()
+        if counts is not None:
+            for state in BLOCK_STATES:
+                by_state.add_metric([POOL_TIER, state], getattr(counts, state))
+            total.add_metric([POOL_TIER], counts.total)
+        yield by_state
+        yield total
 
 
 class StatsLogger:

@@ -25,6 +25,7 @@ _ERROR_DESCRIPTIONS = {
     404: "No such model (this server serves one) or route.",
     413: "Request body larger than --max-request-body-bytes.",
     500: "The engine failed while running the request.",
+    501: "Not available on this server (the dashboard of a data-parallel ingress).",
     503: "Overloaded (see Retry-After), shutting down, or the engine is not running.",
 }
 # Streams are server-sent events: `data: <a JSON chunk>` events, then `data: [DONE]`.

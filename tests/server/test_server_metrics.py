@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import EngineStats
+from kv_cache import BlockCounts
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
 
 
@@ -75,6 +76,41 @@ def test_each_metrics_object_has_its_own_registry():
     a.on_step(EngineStats(generation_tokens=7, num_steps=1))
     assert samples(a)[("pagedserve:generation_tokens_total", ())] == 7
     assert samples(b)[("pagedserve:generation_tokens_total", ())] == 0
+
+
+def block_samples(metrics: ServerMetrics) -> dict:
+    return {
+        key: value
+        for key, value in samples(metrics).items()
+        if key[0] in ("pagedserve:kv_cache_blocks", "pagedserve:kv_cache_num_blocks")
+    }
+
+
+def test_block_gauges_by_state_and_tier():
+    m = ServerMetrics()
+    assert block_samples(m) == {}  # no pool known yet: the families have no samples
+    m.on_step(EngineStats(kv_blocks=BlockCounts(free=5, cached=2, in_use=1), num_steps=1))
+    assert block_samples(m) == {
+        ("pagedserve:kv_cache_blocks", (("state", "free"), ("tier", "pool"))): 5,
+        ("pagedserve:kv_cache_blocks", (("state", "cached"), ("tier", "pool"))): 2,
+        ("pagedserve:kv_cache_blocks", (("state", "in_use"), ("tier", "pool"))): 1,
+        ("pagedserve:kv_cache_num_blocks", (("tier", "pool"),)): 8,
+    }
+    # vLLM's series keep their names and their (lack of) labels.
+    assert ("pagedserve:kv_cache_usage_perc", ()) in samples(m)
+
+
+def test_a_watched_source_is_read_at_each_scrape():
+    """Between steps (an abort, a cache reset) the engine publishes new counts that no
+    on_step carries: the scrape reads them."""
+    m = ServerMetrics()
+    m.on_step(EngineStats(kv_blocks=BlockCounts(free=5, cached=2, in_use=1), num_steps=1))
+    published = [BlockCounts(free=6, cached=2, in_use=0)]
+    m.watch_kv_blocks(lambda: published[0])
+    key = ("pagedserve:kv_cache_blocks", (("state", "in_use"), ("tier", "pool")))
+    assert block_samples(m)[key] == 0
+    published[0] = BlockCounts(free=0, cached=0, in_use=8)
+    assert block_samples(m)[key] == 8
 
 
 class FakeClock:
