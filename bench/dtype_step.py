@@ -5,8 +5,12 @@
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int8 \
         --kernels off,on --batch 1,4,8
     .venv/bin/python -m bench.dtype_step --dtypes bfloat16 --quantizations none,int4,auto
+    .venv/bin/python -m bench.dtype_step --dtypes auto --quantizations auto \
+        --kv-cache-dtypes auto,int8 --batch 32 --context 2000
 
-One engine per variant, each with `batch` requests of 300 random prompt tokens
+One engine per variant, each with `batch` requests of 300 random prompt tokens (or
+`--context` tokens, whose prefill is skipped: the runner is bypassed for those steps, the
+cache keeps zeros, and a decode step's time does not depend on the cache's values)
 decoding; the engines step in turns (6 steps each, 8 rounds) in one process, so a noisy
 neighbour slows all of them alike, and the medians are compared as ratios to the first.
 This is what `dtype=auto` and the default backend rest on.
@@ -26,29 +30,46 @@ ROUNDS, STEPS_PER_TURN = 8, 6
 
 
 def decoding_engine(
-    dtype: str, backend: str, batch: int, quantization: str | None = None, seed: int = 0
+    dtype: str,
+    backend: str,
+    batch: int,
+    quantization: str | None = None,
+    seed: int = 0,
+    kv_cache_dtype: str = "auto",
+    context: int | None = None,
 ):
-    """An engine of `dtype`, attention `backend` and `quantization` whose `batch` requests
-    are past their prefill."""
+    """An engine of `dtype`, attention `backend`, `quantization` and KV cache dtype whose
+    `batch` requests are past their prefill (of `context` tokens: skipped, see above)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.model_runner import SampledToken
 
+    prompt_tokens = context or PROMPT_TOKENS
     config = EngineConfig(
         dtype=dtype,
         attention_backend=backend,
         quantization=quantization,
-        num_blocks=batch * 40 + 160,
+        kv_cache_dtype=kv_cache_dtype,
+        num_blocks=batch * (prompt_tokens // 16 + 24) + 160,
     )
     engine = LLMEngine(config)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(
-            str(i), [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)], params
+            str(i), [rng.randrange(100, 40000) for _ in range(prompt_tokens)], params
         )
+    runner_execute = engine.runner.execute
+    if context is not None:
+        engine.runner.execute = lambda out: {
+            s.request_id: SampledToken(rng.randrange(100, 40000), None)
+            for s in out.scheduled
+            if s.sample
+        }
     while any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
     ):
         engine.step()
+    engine.runner.execute = runner_execute
     return engine
 
 
@@ -83,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantizations", default="none", help="e.g. none,int8,int4,auto (auto: the default)"
     )
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,int8")
+    parser.add_argument("--context", type=int, help="prompt tokens per request, not prefilled")
     parser.add_argument(
         "--kernels",
         default="on",
@@ -92,17 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(machine_line())
     variants = [
-        (d, b, q, k)
+        (d, b, q, k, kv)
         for d in args.dtypes.split(",")
         for b in args.backends.split(",")
         for q in args.quantizations.split(",")
         for k in args.kernels.split(",")
+        for kv in args.kv_cache_dtypes.split(",")
     ]
     for batch in (int(b) for b in args.batch.split(",")):
         engines = {}
-        for d, b, q, k in variants:
-            name = f"{d}/{b}/{q}/kernels-{k}"
-            engines[name] = decoding_engine(d, b, batch, q)
+        for d, b, q, k, kv in variants:
+            name = f"{d}/{b}/{q}/kernels-{k}/kv-{kv}"
+            engines[name] = decoding_engine(d, b, batch, q, kv_cache_dtype=kv, context=args.context)
             if k == "off":
                 use_torch_ops(engines[name])
         medians = step_medians_ms(engines)

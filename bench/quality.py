@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="bfloat16,bfloat16+int8,bfloat16+int4")
     parser.add_argument("--model", default=None, help="a model path or GGUF (default: ours)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="the modes' KV cache (the float32 reference keeps its own)")  # fmt: skip
     args = parser.parse_args(argv)
     print(machine_line())
     print(f"model: {args.model or 'the default'}")
@@ -74,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
     for mode in [m for m in args.modes.split(",") if m != "float32"]:
         dtype, _, quantization = mode.partition("+")
+        # "auto" alone: the engine's own choice (a GGUF's blocks where the kernels run).
+        chosen = {"quantization": quantization} if quantization else {}
         ppl, tokens, decode_ppl = measure(
-            dtype, decode_path=True, quantization=quantization or None, model=args.model
-        )
+            dtype, decode_path=True, model=args.model, kv_cache_dtype=args.kv_cache_dtype,
+            **chosen,
+        )  # fmt: skip
         agree = agreement_before_divergence(ref_tokens, tokens)
         print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
               f"through the decode path {decode_ppl:.4f} ({decode_ppl / ref_ppl - 1:+.2%}), "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.attention import ATTENTION_BACKENDS
+from engine.attention.kv_cache import KV_CACHE_DTYPES, SCALE_BYTES
 from engine.kernels import cpu_flags, cpu_kernels, ggml_kernels
 from engine.loader import DEFAULT_MODEL_NAME
 from engine.models.linear import QUANTIZATIONS
@@ -67,6 +68,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
+    # "auto": the model's dtype; "int8": rows of int8 values and a float16 scale per token
+    # and KV head (engine/attention/kv_cache.py), 1.94x bf16's blocks, 3.9x float32's.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -185,11 +189,17 @@ class EngineConfig:
         name = Path(self.model).expanduser().name or Path(model_dir or self.model).name
         return name.removesuffix(".gguf")
 
+    @property
+    def kv_cache_quantized(self) -> bool:
+        return self.kv_cache_dtype == "int8"
+
     def kv_cache_bytes_per_block(
         self, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
     ) -> int:
-        # K and V, for every layer, for every slot of the block.
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * dtype_bytes
+        # K and V, for every layer, for every slot of the block; an int8 row is its values
+        # and a float16 scale.
+        row = head_dim + SCALE_BYTES if self.kv_cache_quantized else head_dim * dtype_bytes
+        return 2 * num_layers * self.block_size * num_kv_heads * row
 
     def kv_cache_num_blocks(
         self,
@@ -269,6 +279,8 @@ class EngineConfig:
             f"max_num_batched_tokens={self.max_num_batched_tokens}",
             f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
         ]
+        if self.kv_cache_quantized:
+            parts.append("kv_cache_dtype=int8")
         if self.quantization in QUANTIZATIONS:
             parts.insert(3, f"quantization={self.quantization}")
         if num_blocks is not None:
@@ -314,6 +326,8 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
          and not isinstance(c.gpu_memory_utilization, bool)
          and 0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
          f"must be in (0, 1], got {c.gpu_memory_utilization!r}"),
+        (c.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+         f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"),
         (_positive_int(c.max_num_seqs), "max_num_seqs",
          f"must be a positive integer, got {c.max_num_seqs!r}"),
         (_positive_int(c.max_num_batched_tokens), "max_num_batched_tokens",

@@ -90,6 +90,7 @@ class LLMEngine:
             model.head_dim,
             self.dtype,
             self.device,
+            config.kv_cache_quantized,
         )
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids
@@ -175,6 +176,7 @@ class LLMEngine:
         scratch = allocate_kv_cache(
             self.hf_config.num_hidden_layers, num_seqs * blocks_per_seq, bs,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+            cfg.kv_cache_quantized,
         )  # fmt: skip
         reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.build(query_lens, query_lens, tables, bs, self.device)

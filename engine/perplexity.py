@@ -36,7 +36,7 @@ def text_logits(
     blocks = list(range(-(-len(token_ids) // bs)))
     scratch = allocate_kv_cache(
         engine.hf_config.num_hidden_layers, len(blocks), bs, model.num_kv_heads,
-        model.head_dim, engine.dtype, engine.device,
+        model.head_dim, engine.dtype, engine.device, engine.config.kv_cache_quantized,
     )  # fmt: skip
     ids = torch.tensor(token_ids, device=engine.device)
     chunk = chunk or engine.config.max_num_batched_tokens

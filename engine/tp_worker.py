@@ -83,7 +83,7 @@ def run_worker(config: Any, rank: int, size: int, port: int, num_blocks: int) ->
                         max_model_len, tp)  # fmt: skip
     kv_caches = allocate_kv_cache(
         hf_config.num_hidden_layers, num_blocks, config.block_size, model.num_kv_heads,
-        model.head_dim, dtype, device,
+        model.head_dim, dtype, device, config.kv_cache_quantized,
     )  # fmt: skip
     runner = ModelRunner(model, kv_caches, config.block_size, device,
                          config.max_num_batched_tokens, samples=False)  # fmt: skip

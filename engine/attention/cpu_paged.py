@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache import is_quantized
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.sdpa import Prefill, plan_prefills, sdpa_prefill
 from engine.kernels import ggml_kernels
@@ -79,6 +80,13 @@ class CpuPagedBackend(AttentionBackend):
     def _attend_decodes(
         self, q: torch.Tensor, k_cache, v_cache, decodes: _Decodes, scale: float
     ) -> torch.Tensor:
+        if is_quantized(k_cache) and q.dtype != torch.float32:
+            # int8 rows are read by the float32 kernel (the bf16 one reads bf16 caches).
+            out = self._kernels.paged_decode_attention(
+                q.float().contiguous(), k_cache, v_cache, decodes.block_tables,
+                decodes.seq_lens, scale,
+            )  # fmt: skip
+            return out.to(q.dtype)
         return self._kernels.paged_decode_attention(
             q.contiguous(), k_cache, v_cache, decodes.block_tables, decodes.seq_lens, scale
         )

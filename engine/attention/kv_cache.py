@@ -3,6 +3,16 @@
 Per layer the cache is a K and a V tensor of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's flat slot is
 ``block_id * block_size + offset`` (see `AttentionMetadata.slot_mapping`).
+
+int8 (`--kv-cache-dtype int8`): each (token, KV head) row holds its head_dim values
+quantized symmetrically to int8 and then its scale as float16 bytes, so the tensors are
+``[num_blocks, block_size, num_kv_heads, head_dim + 2]`` int8: one row is head_dim + 2
+bytes against 2 * head_dim in bf16 (1.94x the blocks at head_dim 64) and 4 * head_dim in
+float32. Keeping the scale in the row keeps the cache one K and one V tensor per layer,
+and a row is read in one place. value = int8 * scale, scale = max |x| / 127 (rounded to
+float16 first, and the values quantized with that rounded scale, so dequantizing gives
+exactly what was quantized against). The CPU kernels write and read the same layout
+(csrc/kv_int8.h).
 """
 
 from __future__ import annotations
@@ -11,6 +21,36 @@ import math
 import mmap
 
 import torch
+
+KV_CACHE_DTYPES = ("auto", "int8")
+SCALE_BYTES = 2  # an int8 row's float16 scale, after its values
+
+
+def kv_row_bytes(head_dim: int, dtype: torch.dtype, quantized: bool) -> int:
+    """Bytes of one (token, KV head) row of the cache."""
+    return head_dim + SCALE_BYTES if quantized else head_dim * dtype.itemsize
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` floats -> ``[..., D + 2]`` int8 rows: the values, then the scale."""
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / 127).clamp_(max=65504).to(torch.float16)
+    scale32 = scale.float()
+    # x * (1 / scale), not x / scale: the kernels multiply by the inverse, and the two
+    # round differently.
+    inverse = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
+    values = torch.round(x * inverse).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., D + 2]`` int8 rows -> ``[..., D]`` in dtype (computed in float32)."""
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
+    return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
 def allocate_kv_cache(
@@ -21,8 +61,12 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    quantized: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer."""
+    """One zeroed (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per
+    layer, in dtype; `quantized`: int8 rows of head_dim + 2 (see the module docstring)."""
+    if quantized:
+        dtype, head_dim = torch.int8, head_dim + SCALE_BYTES
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (_zeroed(shape, dtype, device), _zeroed(shape, dtype, device)) for _ in range(num_layers)
@@ -56,16 +100,19 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store the step's new keys/values ``[T, num_kv_heads, head_dim]`` at their flat slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    num_kv_heads, row = k_cache.shape[-2:]
+    if is_quantized(k_cache):
+        k, v = quantize_kv(k), quantize_kv(v)
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_request_kv(
-    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The first ``seq_len`` cached entries of one request, ``[seq_len, kvh, d]`` (a copy)."""
+    """The first ``seq_len`` cached entries of one request, ``[seq_len, kvh, d]`` in dtype
+    (a copy; an int8 cache's rows dequantized)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table_row[:num_blocks])
-    return blocks.flatten(0, 1)[:seq_len]
+    blocks = cache.index_select(0, block_table_row[:num_blocks]).flatten(0, 1)[:seq_len]
+    return dequantize_kv(blocks, dtype) if is_quantized(cache) else blocks.to(dtype)

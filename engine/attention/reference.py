@@ -24,8 +24,8 @@ def reference_paged_attention(
     for r in range(meta.num_reqs):
         start, end = meta.query_start_loc_list[r], meta.query_start_loc_list[r + 1]
         q_len, seq_len = end - start, meta.seq_lens_list[r]
-        keys = gather_request_kv(k_cache, meta.block_tables[r], seq_len).float()
-        values = gather_request_kv(v_cache, meta.block_tables[r], seq_len).float()
+        keys = gather_request_kv(k_cache, meta.block_tables[r], seq_len, torch.float32)
+        values = gather_request_kv(v_cache, meta.block_tables[r], seq_len, torch.float32)
         # Query head h reads KV head h // group.
         keys = keys.repeat_interleave(group, dim=1)  # [S, h, d]
         values = values.repeat_interleave(group, dim=1)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.decode_plan import DecodeGroup, DecodePlan, PrefixBatch, plan_decodes
-from engine.attention.kv_cache import gather_request_kv
+from engine.attention.kv_cache import dequantize_kv, gather_request_kv, is_quantized
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -160,18 +160,26 @@ _workspace = _GatherWorkspace()
 
 
 def _gather_blocks(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, flat_block_table: torch.Tensor, rows: int
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    flat_block_table: torch.Tensor,
+    rows: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks gathered into the workspace as ``[rows, keys per row, kvh, d]`` K and V."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    """Blocks gathered into the workspace as ``[rows, keys per row, kvh, d]`` K and V (an
+    int8 cache's rows dequantized to dtype: new tensors)."""
+    _, block_size, num_kv_heads, row = k_cache.shape
     n = flat_block_table.numel()
-    block_numel = block_size * num_kv_heads * head_dim
+    block_numel = block_size * num_kv_heads * row
     k_buf, v_buf = _workspace.get((n, block_numel), k_cache)
     # Blocks as flat rows: index_select copies 2-D rows faster than 4-D slices.
     torch.index_select(k_cache.view(-1, block_numel), 0, flat_block_table, out=k_buf)
     torch.index_select(v_cache.view(-1, block_numel), 0, flat_block_table, out=v_buf)
-    shape = (rows, n // rows * block_size, num_kv_heads, head_dim)
-    return k_buf.view(shape), v_buf.view(shape)
+    shape = (rows, n // rows * block_size, num_kv_heads, row)
+    keys, values = k_buf.view(shape), v_buf.view(shape)
+    if is_quantized(k_cache):
+        return dequantize_kv(keys, dtype), dequantize_kv(values, dtype)
+    return keys, values
 
 
 def _as_float32(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +216,7 @@ def _sdpa_decode_group(
     """One SDPA call for a group of single-token queries: ``[G, h, d]`` in and out."""
     size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size, q.dtype)
     # The query heads sharing a KV head act as that head's query rows: GQA without repeat.
     qg = q.reshape(size, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
@@ -246,7 +254,7 @@ def _attend_prefix_batch(
     num_kv_heads = k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
     groups, members = batch.num_groups, batch.max_members
-    keys, values = _gather_blocks(k_cache, v_cache, batch.flat_block_table, groups)
+    keys, values = _gather_blocks(k_cache, v_cache, batch.flat_block_table, groups, q.dtype)
     keys, values = _as_float32(keys, values)
     # All of a group's queries that read one KV head form one matrix: [G, kvh, M * per_kv, d].
     qs = q.index_select(0, batch.q_index).view(groups, members, num_kv_heads, per_kv, head_dim)
@@ -303,7 +311,7 @@ def _sdpa_cascade_suffix(
     size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
-    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+    keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size, q.dtype)
     keys, values = _as_float32(keys, values)
     # Query row r of KV head j sees pseudo key r (zero key, mask = its prefix lse)
     # holding its prefix output as value; the base mask hides the other pseudo keys.
@@ -333,8 +341,8 @@ def sdpa_prefill(
 ) -> torch.Tensor:
     """Causal attention of one request's L new queries ``[L, h, d]`` over its S keys."""
     num_heads = q.shape[1]
-    keys = gather_request_kv(k_cache, prefill.block_table_row, prefill.seq_len)
-    values = gather_request_kv(v_cache, prefill.block_table_row, prefill.seq_len)
+    keys = gather_request_kv(k_cache, prefill.block_table_row, prefill.seq_len, q.dtype)
+    values = gather_request_kv(v_cache, prefill.block_table_row, prefill.seq_len, q.dtype)
     keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, h, L, d]
     gqa = num_heads != keys.shape[1]

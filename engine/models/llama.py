@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
+from engine.attention.kv_cache import is_quantized
 from engine.distributed import TensorParallel
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import ggml_kernels, layer_kernels
@@ -341,7 +342,11 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         hidden = self.embed(input_ids)
-        if self.fused_ops is not None:
+        # The bf16 kernels write and read bf16 caches only: an int8 cache takes torch's
+        # layer ops there (the float32 kernels read and write int8 rows).
+        if self.fused_ops is not None and (
+            hidden.dtype == torch.float32 or not is_quantized(kv_caches[0][0])
+        ):
             return self._forward_fused(hidden, positions, kv_caches, meta)
         cos, sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

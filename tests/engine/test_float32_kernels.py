@@ -114,7 +114,7 @@ def test_paged_decode_kernel_rejects_what_it_cannot_attend():
     with pytest.raises(RuntimeError, match="multiple of"):
         kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
     q, cache = torch.zeros(1, 4, 16), torch.zeros(2, 4, 2, 16)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="q.s dtype"):
         kernel.paged_decode_attention(q, cache.double(), cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="seq_len out of range"):
         kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)

@@ -354,11 +354,13 @@ def test_cli_engine_flags_map_to_engine_config():
          "--kv-cache-memory", "1GiB", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--max-model-len", "256", "--no-prefix-caching", "--prefix-cache-hash", "sha256",
          "--seed", "3", "--port", "9000", "--api-key", "k", "--max-waiting-requests", "4",
-         "--quantization", "int8", "--scheduling-policy", "lpm", "--age-bound", "2.5", "--queue-timeout", "3"]
+         "--quantization", "int8", "--scheduling-policy", "lpm", "--age-bound", "2.5", "--queue-timeout", "3",
+         "--kv-cache-dtype", "int8"]
     )  # fmt: skip
     config = engine_config_from_args(args)
     assert config.quantization == "int8"
     assert (config.scheduling_policy, config.age_bound_s) == ("lpm", 2.5)
+    assert config.kv_cache_dtype == "int8"
     assert (config.model, config.dtype, config.device, config.block_size) == (
         "/m",
         "float32",

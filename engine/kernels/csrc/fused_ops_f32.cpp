@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "kv_int8.h"
 #include "vec_avx2.h"
 
 #include <cmath>
@@ -82,33 +83,39 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(
 
 // Rotary embedding of the q and k heads of a fused [T, (H + 2 KVH) * D] QKV projection
 // (`x * cos + rotate_half(x) * sin`), the rotated k and the v heads written to their cache
-// slots, the rotated q returned as [T, H, D].
+// slots (float32, or quantized into int8 rows: kv_int8.h), the rotated q returned as
+// [T, H, D].
 torch::Tensor rope_write_kv_f32(const torch::Tensor& qkv, const torch::Tensor& cos,
                                 const torch::Tensor& sin, torch::Tensor& k_cache,
                                 torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                                 int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2;
   check_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (num_heads + 2 * num_kv_heads), half = D / 2;
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t row_len = int8 ? D + kv_int8::kScaleBytes : D;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv must be [T, (H + 2 KVH) * D]");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D, "cos and sin must be [T, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) == num_kv_heads,
-              "caches must be contiguous float32 [blocks, block_size, KVH, D]");
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || int8) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == num_kv_heads &&
+                  k_cache.size(3) == row_len && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, KVH, D] float32, or int8 "
+              "[blocks, block_size, KVH, D + 2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T &&
                   slot_mapping.is_contiguous(),
               "slot_mapping must be [T] int64");
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim must be even, at most 512");
   auto q = torch::empty({T, num_heads, D}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t row_bytes = row_len * k_cache.element_size();
   const int64_t row = (num_heads + 2 * num_kv_heads) * D;
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < T; ++t)
@@ -125,11 +132,18 @@ torch::Tensor rope_write_kv_f32(const torch::Tensor& qkv, const torch::Tensor& c
         }
       };
       for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * D, qp + (t * num_heads + h) * D);
-      const int64_t slot = slots[t] * num_kv_heads * D;
+      float rotated[512];  // a head's rotated k before it is quantized (D <= 256 is checked)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        rotate(x + (num_heads + h) * D, kc + slot + h * D);
+        const int64_t at = (slots[t] * num_kv_heads + h) * row_bytes;
         const float* v = x + (num_heads + num_kv_heads + h) * D;
-        std::copy(v, v + D, vc + slot + h * D);
+        if (int8) {
+          rotate(x + (num_heads + h) * D, rotated);
+          kv_int8::quantize_row(rotated, D, reinterpret_cast<int8_t*>(kc + at));
+          kv_int8::quantize_row(v, D, reinterpret_cast<int8_t*>(vc + at));
+        } else {
+          rotate(x + (num_heads + h) * D, reinterpret_cast<float*>(kc + at));
+          std::copy(v, v + D, reinterpret_cast<float*>(vc + at));
+        }
       }
     }
   });

@@ -2,8 +2,9 @@
 // AVX-512; paged_decode_f32.cpp: float32 on AVX2): one query token per request, read
 // straight from the paged K/V cache (no gathered copy), online softmax in float32.
 //
-// q [N, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], all of one dtype;
-// block_tables [N, max_blocks] int32; seq_lens [N] int32 -> out [N, H, D] in q's dtype.
+// q [N, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D], all of one dtype, or
+// int8 rows of D + 2 (kv_int8.h); block_tables [N, max_blocks] int32; seq_lens [N] int32
+// -> out [N, H, D] in q's dtype.
 // Query head h reads KV head h / (H / KVH).
 //
 // Why: a decode step's attention is little arithmetic, and the SDPA path spent it on a
@@ -45,12 +46,15 @@ struct Partial {
   }
 };
 
-template <typename T>
+// KV: the caches' element type, T's own or int8_t (rows of dim + 2: values, then scale).
+template <typename T, typename KV = T>
 struct Problem {
-  const T *q, *k, *v;
+  const T* q;
+  const KV *k, *v;
   const int32_t *tables, *seq_lens;
   int64_t heads, kv_heads, dim, group, block_size, max_blocks;
   float scale;
+  int64_t row;  // elements per (token, KV head) row of the caches
 };
 
 // f(std::integral_constant<int, G>) for the common grouped-query shapes (query heads per
@@ -74,30 +78,34 @@ void with_group(int64_t group, F f) {
 // Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
 // every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
 // `lanes`: the head_dim multiple the caller's vectors need.
-template <typename T, typename Attend>
+template <typename T, typename KV = T, typename Attend>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                   const torch::Tensor& seq_lens, double scale, int64_t lanes, Attend attend) {
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [N, H, D] and caches [blocks, block_size, KVH, D] expected");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must have one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == (kInt8 ? at::kChar : q.scalar_type()),
+              "the caches must have q's dtype, or be int8 rows");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q and the caches must be contiguous");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup && k_cache.size(3) == D,
-              "head layout: H a multiple of KVH, at most 16 query heads per KV head");
+  const int64_t row = k_cache.size(3);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup && row == D + (kInt8 ? 2 : 0),
+              "head layout: H a multiple of KVH, at most 16 query heads per KV head, cache "
+              "rows of head_dim (+ 2 bytes of scale for int8)");
   TORCH_CHECK(D % lanes == 0 && D <= kMaxDim, "head_dim must be a multiple of ", lanes,
               ", <= 256");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be contiguous int32");
   TORCH_CHECK(block_tables.size(0) == N && seq_lens.size(0) == N, "one row per query");
-  const Problem<T> p{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                     block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                     H, KVH, D, H / KVH, k_cache.size(1), block_tables.size(1),
-                     static_cast<float>(scale)};
+  const Problem<T, KV> p{q.data_ptr<T>(), static_cast<const KV*>(k_cache.data_ptr()),
+                         static_cast<const KV*>(v_cache.data_ptr()),
+                         block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                         H, KVH, D, H / KVH, k_cache.size(1), block_tables.size(1),
+                         static_cast<float>(scale), row};
   // Tasks: (request, KV head, chunk); a request's chunks are consecutive.
   std::vector<int64_t> first_task(N + 1, 0);
   for (int64_t r = 0; r < N; ++r) {
