@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: serve test lint clean
+.PHONY: serve test lint clean chromium
 
 # torch==2.13.0 first: it is the CPU build on these machines, and once it is in
 # the venv the project's torch range installs nothing more.
@@ -22,7 +22,18 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
-test: $(STAMP)
+# The dashboard's test (tests/server/test_dashboard_browser.py) drives a real headless
+# chromium and must not be skipped in CI, whose fresh machines have none: install Debian's
+# when no chromium is on PATH (as root, else through sudo); nothing to do when one is.
+CHROMIUM_NAMES := chromium chromium-browser google-chrome google-chrome-stable
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+chromium:
+	@for name in $(CHROMIUM_NAMES); do command -v $$name >/dev/null && exit 0; done; \
+	$(SUDO) apt-get update -qq && \
+	$(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+
+test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

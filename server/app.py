@@ -85,8 +85,9 @@ def build_app(
     """The HTTP app over a started-on-demand engine bridge.
 
     `served_model_name` defaults to the engine's model name; `api_key` guards every
-    route but /health, /metrics and the /dashboard page (not its state); `max_waiting_requests` turns requests away with
-    503 + Retry-After while that many engine requests wait to be scheduled;
+    route but /health, /metrics and the /dashboard page (not its state);
+    `max_waiting_requests` turns requests away with 503 + Retry-After while that many
+    engine requests wait to be scheduled;
     `max_seqs_per_request` caps prompts x n of one request (400 beyond it);
     `queue_timeout` is the seconds a request may wait unscheduled unless it sets its own
     (then 503 `queue_timeout`).
