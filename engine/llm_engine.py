@@ -265,6 +265,18 @@ class LLMEngine:
         if workers:
             stop_workers(workers)
 
+    def pin_prefix(self, token_ids: list[int]) -> int:
+        """Compute a prefix's KV (a request for one token) and pin its full blocks resident
+        (`KVCacheManager.pin`): a system prompt that requests share stays cached however
+        much else passes through the pool. Returns the tokens pinned (whole blocks)."""
+        request_id = f"pin-{self.kv_cache_manager.num_pinned_blocks}-{len(token_ids)}"
+        self.add_request(request_id, list(token_ids), SamplingParams(max_tokens=1))
+        while request_id in self.scheduler.requests:
+            self.step()
+        pinned = self.kv_cache_manager.pin(list(token_ids))
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
+        return pinned
+
     def reset_prefix_cache(self) -> bool:
         done = self.kv_cache_manager.reset_prefix_cache()
         self.stats.kv_blocks = self.kv_cache_manager.block_counts()

@@ -83,6 +83,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, event_listener)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestState] = {}
+        # Blocks pinned resident (`pin`): each holds one reference for the manager's life.
+        self._pinned: list[KVCacheBlock] = []
 
     @property
     def num_blocks(self) -> int:
@@ -298,8 +300,37 @@ class KVCacheManager:
         ]
         return take_snapshot(self.block_pool, tables, max_prefixes)
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
+
+    def pin(self, token_ids: list[int], extra_keys: tuple = ()) -> int:
+        """Keep the cached full blocks at the start of token_ids resident for good: each
+        takes one more reference, so it never returns to the free queue and LRU never
+        evicts it. Pin after the prefix was computed (its blocks cached); returns the
+        tokens pinned (whole blocks: a partial last block is not cached)."""
+        if not self.enable_caching:
+            return 0
+        hashes: list[BlockHash] = []
+        extra = self._hasher.prepare_extra(extra_keys)
+        num_full = len(token_ids) // self.block_size
+        self._hasher.extend(hashes, token_ids, self.block_size, extra, num_full)
+        lookup = self.block_pool.cached_hash_to_block.get
+        matched: list[KVCacheBlock] = []
+        for block_hash in hashes:
+            block = lookup(block_hash)
+            if block is None:
+                break
+            matched.append(block)
+        held = {id(block) for block in self._pinned}
+        new = [block for block in matched if id(block) not in held]  # pinned twice: held once
+        self.block_pool.touch(new)
+        self._pinned.extend(new)
+        return len(matched) * self.block_size
+
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block; False (nothing done) while any is in use."""
+        """Drop every cached block; False (nothing done) while any is in use (a pinned
+        block is in use for good: with pins, a reset is refused)."""
         return self.block_pool.reset_prefix_cache()
 
     def check_invariants(self) -> None:
@@ -339,6 +370,10 @@ class KVCacheManager:
                         f"request {request_id}: block {block.block_id} carries another "
                         f"prefix's hash"
                     )
+        for block in self._pinned:
+            holders[block.block_id] += 1
+            if block.block_hash is None:
+                raise AssertionError(f"pinned block {block.block_id} lost its hash")
         for block in pool.blocks:
             if block.ref_cnt != holders[block.block_id]:
                 raise AssertionError(

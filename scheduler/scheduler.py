@@ -112,11 +112,15 @@ class Scheduler:
         # that runs to its end needs this many tokens' worth of blocks at once.
         max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
         needed_blocks = -(-(max_len - 1) // cfg.block_size)
-        if needed_blocks > cfg.num_blocks:
+        # Pinned blocks never come free: a request must fit in the others.
+        usable = cfg.num_blocks - self.kv_cache_manager.num_pinned_blocks
+        if needed_blocks > usable:
+            pinned = cfg.num_blocks - usable
             raise ValueError(
                 f"request needs up to {needed_blocks} KV blocks ({max_len - 1} tokens: prompt "
                 f"{num_prompt} + max_tokens {request.sampling_params.max_tokens} - 1, "
                 f"block_size={cfg.block_size}) but the cache has num_blocks={cfg.num_blocks}"
+                + (f", {pinned} of them pinned" if pinned else "")
             )
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:

@@ -15,8 +15,10 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
+from server.errors import OpenAIError
 from server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -31,6 +33,7 @@ from server.limits import (
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
+from server.tokens import apply_chat_template, encode_chat, encode_prompt
 
 logger = logging.getLogger("pagedserve")
 
@@ -207,6 +210,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_MAX_SEQS_PER_REQUEST,
                    help="answer 400 to a request for more sequences (prompts x n) than this "
                    "(default %(default)s)")  # fmt: skip
+    g.add_argument("--pin-system-prompt", action="append", default=[], metavar="TEXT",
+                   help="compute this system prompt (as the chat template renders it first "
+                   "in a conversation) at start-up and keep its KV blocks resident; "
+                   "@FILE reads it from a file; repeatable")  # fmt: skip
+    g.add_argument("--pin-prefix", action="append", default=[], metavar="TEXT",
+                   help="the same for a raw completions prompt prefix")  # fmt: skip
     g.add_argument("--queue-timeout", type=_positive_float,
                    help="seconds a request may wait before its first step; past them it is "
                    "answered 503 queue_timeout (default: no limit; a request's own "
@@ -275,6 +284,36 @@ def run_replicas(args: argparse.Namespace) -> int:
     return 0
 
 
+def pin_prefixes(engine: Any, system_prompts: list[str], prefixes: list[str]) -> Any:
+    """Pin each system prompt (rendered as the chat route renders a conversation that opens
+    with it) and each raw prefix (encoded as the completions route encodes a prompt);
+    ValueError naming the one that cannot be (an unreadable @FILE, no chat template)."""
+
+    def text_of(value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read the prefix to pin from {value[1:]}: {exc}") from exc
+
+    tokenizer, vocab = engine.tokenizer, engine.hf_config.vocab_size
+    try:
+        ids = [
+            encode_chat(tokenizer, apply_chat_template(
+                tokenizer, [{"role": "system", "content": text_of(p)}], False))
+            for p in system_prompts
+        ] + [encode_prompt(tokenizer, text_of(p), vocab, "prompt") for p in prefixes]  # fmt: skip
+    except OpenAIError as exc:
+        raise ValueError(f"cannot pin a prefix: {exc.message}") from exc
+    for token_ids in ids:
+        pinned = engine.pin_prefix(token_ids)
+        logger.info(
+            "pinned %d of a %d-token prefix's tokens in the KV cache", pinned, len(token_ids)
+        )
+    return engine
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return run_replicas(args)
@@ -289,7 +328,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def load_on_the_engine_thread(config: Any) -> AsyncEngine:
         # One thread for all torch work: one OpenMP team (server/async_engine.py says why).
-        return AsyncEngine.load(lambda: LLMEngine(config), log_interval_s=args.stats_interval)
+        return AsyncEngine.load(
+            lambda: pin_prefixes(LLMEngine(config), args.pin_system_prompt, args.pin_prefix),
+            log_interval_s=args.stats_interval,
+        )
 
     client = _load_engine(args, load_on_the_engine_thread)
     if client is None:

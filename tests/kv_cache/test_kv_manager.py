@@ -282,3 +282,24 @@ def test_a_lookup_counts_once_its_allocation_succeeds() -> None:
     c.all_token_ids.append(1)
     mgr.allocate_slots(c, 1)
     assert mgr.stats.requests == 3
+
+
+def test_a_pinned_prefix_outlives_any_churn_and_is_hit_whole():
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    system = list(range(100, 110))  # 2 full blocks + 2 tokens
+    first = Req("first", system + [1])
+    admit(mgr, first)
+    mgr.free(first)
+    assert mgr.pin(system) == 8 and mgr.num_pinned_blocks == 2
+    assert mgr.pin(system + [7, 7]) == 8 and mgr.num_pinned_blocks == 2  # held once
+    mgr.check_invariants()
+    for i in range(20):  # others fill every unpinned block, over and over
+        other = Req(f"o{i}", [i] * 24)
+        assert admit(mgr, other) is not None
+        mgr.free(other)
+        mgr.check_invariants()
+    assert mgr.num_free_blocks == 6
+    hits, num_hit = mgr.get_computed_blocks(Req("later", system + [5, 5, 5]))
+    assert num_hit == 8 and [b.block_hash is not None for b in hits] == [True, True]
+    assert not mgr.reset_prefix_cache()  # pinned blocks are in use for good
+    assert mgr.pin([999] * 8) == 0  # nothing of it is cached: nothing to pin

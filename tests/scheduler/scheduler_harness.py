@@ -191,9 +191,13 @@ class Harness:
                 assert request.request_id not in self.sched.requests
 
     def check_all_free(self) -> None:
+        """Every block is back in the free queue, but pinned ones (held for good)."""
         self.mgr.check_invariants()
-        assert self.mgr.num_free_blocks == self.config.num_blocks
-        assert sorted(self.mgr.free_block_ids()) == list(range(self.config.num_blocks))
+        pinned = {b.block_id for b in self.mgr.block_pool.blocks if b.ref_cnt}
+        assert len(pinned) == self.mgr.num_pinned_blocks
+        assert self.mgr.num_free_blocks == self.config.num_blocks - len(pinned)
+        free = set(range(self.config.num_blocks)) - pinned
+        assert sorted(self.mgr.free_block_ids()) == sorted(free)
 
     def expected(self, request: Request) -> tuple[list[int], str]:
         return reference_generate(

@@ -227,3 +227,16 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(written_ste
     h.run()
     assert h.requests["retry"].num_cached_tokens == 16 * written_steps
     assert_outputs_match_reference(h)
+
+
+def test_a_request_that_fits_only_in_pinned_blocks_is_refused_naming_them():
+    h = Harness(make_config(num_blocks=6, block_size=4))
+    system = prompt(9, 8)
+    h.add("warm", system + [1], max_tokens=1)
+    h.run()
+    assert h.mgr.pin(system) == 8
+    with pytest.raises(ValueError, match="2 of them pinned"):
+        h.add("big", prompt(3, 20), max_tokens=1)  # 5 blocks > 6 - 2
+    h.add("fits", prompt(3, 16), max_tokens=1)  # 4 blocks
+    h.run()
+    assert_outputs_match_reference(h)
