@@ -71,6 +71,10 @@ class EngineConfig:
     # "auto": the model's dtype; "int8": rows of int8 values and a float16 scale per token
     # and KV head (engine/attention/kv_cache.py), 1.94x bf16's blocks, 3.9x float32's.
     kv_cache_dtype: str = "auto"
+    # The prefix cache's second tier: blocks the pool evicts go to a memory-mapped file of
+    # this many bytes under cache_dir/kv-tier, and come back on a hit; the file outlives
+    # the process. None: no tier.
+    kv_offload_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -326,6 +330,8 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
          and not isinstance(c.gpu_memory_utilization, bool)
          and 0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
          f"must be in (0, 1], got {c.gpu_memory_utilization!r}"),
+        (c.kv_offload_bytes is None or _positive_int(c.kv_offload_bytes), "kv_offload_bytes",
+         f"must be a positive number of bytes or None, got {c.kv_offload_bytes!r}"),
         (c.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
          f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"),
         (_positive_int(c.max_num_seqs), "max_num_seqs",

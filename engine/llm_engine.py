@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ from engine.config import (
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
+from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
 from engine.loader import (
+    default_cache_dir,
     iter_weights,
     load_generation_eos,
     load_hf_config,
@@ -103,6 +106,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.structured_outputs,
         )
+        tier = self._open_tier(kv_caches, Path(model_dir)) if config.kv_offload_bytes else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -111,11 +115,13 @@ class LLMEngine:
                 block_size=config.block_size,
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
-                prefix_cache_hash=config.prefix_cache_hash,
+                # The tier's keys must mean the same in the next process: sha256.
+                prefix_cache_hash="sha256" if tier is not None else config.prefix_cache_hash,
                 scheduling_policy=config.scheduling_policy,
                 age_bound_s=config.age_bound_s,
             ),
             kv_event_listener,
+            tier=tier,
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -260,10 +266,26 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        """Stop the tensor-parallel workers; save the pool's cached blocks to the KV tier
+        (so a restart finds them) and close it."""
         workers, self._tp_workers = self._tp_workers, []
         if workers:
             stop_workers(workers)
+        tier = self.kv_cache_manager.tier
+        if tier is not None:
+            saved = save_cached_blocks(self.runner.kv_caches, self.kv_cache_manager)
+            tier.close()
+            logger.info("KV tier: saved %d cached blocks from the pool; closed", saved)
+
+    def _open_tier(self, kv_caches, model_dir: Path):
+        if self.model.tp is not None:
+            raise ValueError("the KV tier (kv_offload_bytes) runs in one process, not under "
+                             "tensor parallelism")  # fmt: skip
+        if not self.config.enable_prefix_caching:
+            raise ValueError("the KV tier (kv_offload_bytes) needs prefix caching")
+        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir()
+        return open_tier(cache_dir, self.config.kv_offload_bytes, kv_caches, model_dir,
+                         self.config.block_size)  # fmt: skip
 
     def pin_prefix(self, token_ids: list[int]) -> int:
         """Compute a prefix's KV (a request for one token) and pin its full blocks resident
@@ -294,6 +316,7 @@ class LLMEngine:
         """
         sched_out = self.scheduler.schedule()
         try:
+            move_blocks(self.runner.kv_caches, self.kv_cache_manager)
             if self._tp_workers:  # every rank runs the same step
                 broadcast_object(sched_out)
             sampled = self.runner.execute(sched_out)

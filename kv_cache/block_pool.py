@@ -121,6 +121,17 @@ class BlockPool:
             new_blocks.append(block)
         return new_blocks
 
+    def adopt(self, block_hashes: Sequence[BlockHash], index: int) -> KVCacheBlock:
+        """A block that takes block_hashes[index] (block `index` of a chain) for contents the
+        caller writes before any reader runs (a block brought back from the second tier):
+        taken from the free head as a new block is (evicting what it held), cached, and
+        freed to the tail, where the request that wants it finds it."""
+        (block,) = self.get_new_blocks(1)
+        block_ids = [block.block_id] * (index + 1)  # only position `index` is read
+        self.cache_full_blocks(block_ids, block_hashes, index, index + 1)
+        self.free_blocks([block])
+        return block
+
     def uncache(self, block: KVCacheBlock) -> None:
         """Take a block out of the prefix cache (it keeps its holders and its place)."""
         if block.block_hash is not None:

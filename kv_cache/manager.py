@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kv_cache.block import BlockHash, KVCacheBlock
-from kv_cache.block_pool import BlockPool, EventListener
+from kv_cache.block_pool import BlockPool, BlockRemoved, EventListener, KVCacheEvent
 from kv_cache.hashing import get_block_hasher
+from kv_cache.host_tier import HostTier
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
 
@@ -73,14 +74,25 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "builtin",
         event_listener: EventListener | None = None,
+        tier: HostTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if tier is not None and (hash_algo != "sha256" or not enable_caching):
+            raise ValueError("a second KV tier needs prefix caching with sha256 block hashes")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self._hasher = get_block_hasher(hash_algo)
-        self.block_pool = BlockPool(num_blocks, enable_caching, event_listener)
+        # The second tier (host_tier.py): what the pool evicts goes there, and a lookup that
+        # misses in the pool continues there. The bytes move in the engine, between a
+        # schedule() and the step that runs it (`take_tier_moves`).
+        self.tier = tier
+        self._offloads: list[tuple[int, BlockHash]] = []  # evicted: copy out before reuse
+        self._loads: dict[int, tuple[BlockHash, bytes]] = {}  # brought back: copy in
+        self._event_listener = event_listener
+        listener = self._on_pool_event if tier is not None else event_listener
+        self.block_pool = BlockPool(num_blocks, enable_caching, listener)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestState] = {}
         # Blocks pinned resident (`pin`): each holds one reference for the manager's life.
@@ -119,6 +131,63 @@ class KVCacheManager:
         num_hit_tokens = len(hits) * self.block_size
         state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
+
+    # ------------------------------------------------------------------ second tier
+
+    def _on_pool_event(self, event: KVCacheEvent) -> None:
+        if isinstance(event, BlockRemoved):
+            pending = self._loads.pop(event.block_id, None)
+            # A block brought back and evicted again before its bytes arrived: the tier
+            # still holds it, and the pool never held its contents.
+            if pending is None and event.block_hash not in self.tier:
+                self._offloads.append((event.block_id, event.block_hash))
+        if self._event_listener is not None:
+            self._event_listener(event)
+
+    def restore_from_tier(self, req: RequestLike) -> int:
+        """Bring back from the tier the blocks that continue req's cached prefix in the
+        pool, when the pool has room for the whole request: each is cached in a free
+        block now, its bytes copied in before the next step runs (`take_tier_moves`), so
+        the lookup that follows hits it. Returns the blocks brought back."""
+        if self.tier is None:
+            return 0
+        state, hits = self._lookup(req)
+        pool, bs = self.block_pool, self.block_size
+        hashes = state.block_hashes
+        num_tokens = len(req.all_token_ids)
+        limit = (num_tokens - 1) // bs  # as get_computed_blocks: the last token is computed
+        first = len(hits)
+        if first >= limit or hashes[first] not in self.tier:
+            return 0
+        # The request's hits stay out of reach while blocks are taken from the free head.
+        needed = -(-num_tokens // bs) - first
+        if needed > len(pool.free_block_queue) - sum(1 for b in hits if b.ref_cnt == 0):
+            return 0
+        pool.touch(hits)
+        restored = 0
+        for index in range(first, limit):
+            data = self.tier.get(hashes[index])  # None: absent, or torn (dropped)
+            if data is None:
+                break
+            block = pool.adopt(hashes, index)
+            self._loads[block.block_id] = (hashes[index], data)
+            restored += 1
+        pool.free_blocks(reversed(hits))
+        self.stats.tier_hits += restored * bs
+        return restored
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
+        """What the engine must do before the step it is about to run, and forget it:
+        (evicted blocks to copy into the tier under their hash, the bytes of blocks
+        brought back to write into them). Copy the evicted ones out before writing the
+        others in: a block can be both."""
+        offloads, self._offloads = self._offloads, []
+        loads, self._loads = self._loads, {}
+        return offloads, {block_id: data for block_id, (_, data) in loads.items()}
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of every block the pool caches (to save them all to the tier)."""
+        return [(b.block_id, h) for h, b in self.block_pool.cached_hash_to_block.items()]
 
     def num_cached_tokens(self, req: RequestLike) -> int:
         """The tokens `get_computed_blocks` would give req now, without keeping the

@@ -16,13 +16,15 @@ class PrefixCacheStats:
     queries: int = 0
     # Tokens served from the cache (whole hit blocks).
     hits: int = 0
+    # Tokens brought back from the second tier into the pool (then served as hits).
+    tier_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
     def reset(self) -> None:
-        self.requests = self.queries = self.hits = 0
+        self.requests = self.queries = self.hits = self.tier_hits = 0
 
 
 @dataclass(frozen=True, slots=True)

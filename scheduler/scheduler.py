@@ -37,6 +37,7 @@ from itertools import islice
 
 from kv_cache import KVCacheManager
 from kv_cache.block_pool import EventListener
+from kv_cache.host_tier import HostTier
 from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -53,10 +54,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_event_listener: EventListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier: HostTier | None = None,
     ) -> None:
         """`kv_event_listener` hears each block the prefix cache stores or evicts (a
         replica publishes them to the router). `clock` is the one requests' arrival
-        times are on (lpm's age bound compares them)."""
+        times are on (lpm's age bound compares them). `tier`: the prefix cache's second
+        tier (kv_cache/host_tier.py), whose block moves the caller makes after each
+        schedule() (`KVCacheManager.take_tier_moves`)."""
         config.verify()
         self.config = config
         self._clock = clock
@@ -68,6 +72,7 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_cache_hash,
             event_listener=kv_event_listener,
+            tier=tier,
         )
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
         # Arrival order; preempted requests go to the head.
@@ -271,6 +276,7 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
+            mgr.restore_from_tier(request)
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
             num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
             if mgr.allocate_slots(request, num_new, hits) is None:
@@ -300,6 +306,7 @@ class Scheduler:
         for request in self._admission_order():
             if budget <= 0 or len(running) >= max_num_seqs:
                 break
+            mgr.restore_from_tier(request)
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
             num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
             if mgr.allocate_slots(request, num_new, hits) is None:

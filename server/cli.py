@@ -116,7 +116,7 @@ def _non_negative_float(text: str) -> float:
 
 # flag dest -> EngineConfig field (only flags the user gave are passed on).
 _ENGINE_FIELDS = (
-    "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
+    "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype", "kv_offload_bytes",
     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "prefix_cache_hash", "scheduling_policy", "age_bound_s", "seed", "attention_backend",
     "quantization", "cache_dir", "tensor_parallel_size",
@@ -138,6 +138,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto (default): the model's dtype; int8: int8 values and a float16 "
                    "scale per token and KV head, 1.94x bf16's blocks in the same bytes "
                    "(3.9x float32's)")  # fmt: skip
+    g.add_argument("--kv-offload-bytes", type=parse_size,
+                   help="a second tier for the prefix cache: blocks the pool evicts go to a "
+                   "memory-mapped file of this size (e.g. 4GiB) under the cache dir and come "
+                   "back on a hit; it outlives the process (default: none)")  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float)
     g.add_argument("--max-num-seqs", type=_positive_int, help="requests per batch")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, help="tokens per step")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Sequence
 
+from kv_cache.host_tier import HostTier
 from scheduler import (
     Request,
     RequestStatus,
@@ -78,6 +79,11 @@ def item_slot(slots, block_ids, pos: int, bs: int):
     return slots[block_ids[pos // bs]][pos % bs]
 
 
+def block_bytes(slots: list[int | None]) -> bytes:
+    """A fake block's slots as the tier stores them (None, never written: 255)."""
+    return bytes(255 if token is None else token for token in slots)
+
+
 class Harness:
     """Drives a Scheduler with the fake model and checks invariants around every step.
 
@@ -85,10 +91,12 @@ class Harness:
     lpm's age bound counts steps.
     """
 
-    def __init__(self, config: SchedulerConfig, next_token=fake_next_token) -> None:
+    def __init__(
+        self, config: SchedulerConfig, next_token=fake_next_token, tier: HostTier | None = None
+    ) -> None:
         self.config = config
         self.now = 0.0
-        self.sched = Scheduler(config, clock=lambda: self.now)
+        self.sched = Scheduler(config, clock=lambda: self.now, tier=tier)
         self.mgr = self.sched.kv_cache_manager
         self.model = FakePagedModel(config.num_blocks, config.block_size, next_token)
         self.next_token = next_token
@@ -130,6 +138,7 @@ class Harness:
             assert request.num_cached_tokens == -1 and request.queue_deadline <= self.now
             assert request.request_id in out.finished_ids
         self.check_schedule(out, before)
+        self.move_tier_blocks()
         sampled = self.model.run(out)
         got = self.sched.update_from_output(out, sampled)
         assert {r.request_id for r in got} == set(sampled)
@@ -137,6 +146,19 @@ class Harness:
         self.check_state()
         self.now += 1.0
         return out
+
+    def move_tier_blocks(self) -> None:
+        """What the engine does between schedule() and the step: evicted blocks out to the
+        tier (read before anything is written), brought-back blocks in."""
+        tier = self.mgr.tier
+        if tier is None:
+            return
+        offloads, loads = self.mgr.take_tier_moves()
+        slots = self.model.slots
+        for block_id, block_hash in offloads:
+            tier.put(block_hash, block_bytes(slots[block_id]))
+        for block_id, data in loads.items():
+            slots[block_id] = [None if b == 255 else b for b in data]
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

@@ -1,0 +1,112 @@
+"""The KV cache's second tier on the engine's side: a block's bytes out of the pool's
+tensors and back (kv_cache/host_tier.py keeps them; the KV manager decides which).
+
+A block's bytes are every layer's K then V rows of that block, as the tensors hold them
+(float32, bf16 or int8 rows), so a block goes out and comes back bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kv_cache import KVCacheManager
+from kv_cache.host_tier import HostTier
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+LAYOUT_VERSION = 1
+
+
+def block_nbytes(kv_caches: KVCaches) -> int:
+    return sum(k[0].nbytes + v[0].nbytes for k, v in kv_caches)
+
+
+def open_tier(
+    cache_dir: Path, capacity_bytes: int, kv_caches: KVCaches, model_dir: Path, block_size: int
+) -> HostTier:
+    """The tier file for this model and cache layout under `cache_dir/kv-tier`, reopened
+    when one was left by an earlier run of the same model and layout."""
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_file()
+    )
+    k = kv_caches[0][0]
+    identity = (
+        f"pagedserve kv tier {LAYOUT_VERSION}|{model_dir.resolve()}|{files}|"
+        f"{len(kv_caches)} layers|{tuple(k.shape[1:])}|{k.dtype}|block_size {block_size}"
+    )
+    name = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    tier = HostTier(
+        cache_dir / "kv-tier" / f"{name}.bin", capacity_bytes, block_nbytes(kv_caches), identity
+    )
+    logger.info(
+        "KV tier: %s, %d blocks of %d bytes, %d kept from an earlier run",
+        tier.path, tier.num_slots, tier.block_bytes, tier.reopened_entries,
+    )  # fmt: skip
+    return tier
+
+
+def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> list[bytes]:
+    """Each block's bytes, in the order given."""
+    device = kv_caches[0][0].device
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    n = len(block_ids)
+    parts = [t.index_select(0, index).reshape(n, -1).view(torch.uint8)
+             for k, v in kv_caches for t in (k, v)]  # fmt: skip
+    flat = torch.cat(parts, dim=1).cpu().numpy()
+    return [flat[i].tobytes() for i in range(n)]
+
+
+def write_blocks(kv_caches: KVCaches, blocks: dict[int, bytes]) -> None:
+    """Write each block's bytes (as `read_blocks` gave them) into the pool's tensors."""
+    device = kv_caches[0][0].device
+    index = torch.tensor(list(blocks), dtype=torch.long, device=device)
+    n = len(blocks)
+    flat = torch.from_numpy(np.frombuffer(b"".join(blocks.values()), dtype=np.uint8).copy())
+    flat = flat.view(n, -1).to(device)
+    offset = 0
+    for k, v in kv_caches:
+        for t in (k, v):
+            size = t[0].nbytes
+            rows = flat[:, offset : offset + size].contiguous().view(t.dtype)
+            t.index_copy_(0, index, rows.view(n, *t.shape[1:]))
+            offset += size
+
+
+def move_blocks(kv_caches: KVCaches, manager: KVCacheManager) -> None:
+    """The tier moves a schedule() asked for, before its step runs: evicted blocks are read
+    out (and stored) before the blocks brought back are written in, since a block can be
+    both."""
+    tier = manager.tier
+    if tier is None:
+        return
+    offloads, loads = manager.take_tier_moves()
+    if offloads:
+        datas = read_blocks(kv_caches, [block_id for block_id, _ in offloads])
+        for (_, block_hash), data in zip(offloads, datas, strict=True):
+            tier.put(block_hash, data)
+    if loads:
+        write_blocks(kv_caches, loads)
+
+
+def save_cached_blocks(kv_caches: KVCaches, manager: KVCacheManager) -> int:
+    """Store every block the pool caches that the tier lacks (at shutdown, so a restart
+    finds them); returns how many were stored."""
+    tier = manager.tier
+    if tier is None:
+        return 0
+    move_blocks(kv_caches, manager)
+    missing = [(block_id, h) for block_id, h in manager.cached_blocks() if h not in tier]
+    # The tier keeps the most recent; store in batches to bound the staging copy.
+    for start in range(0, len(missing), 256):
+        batch = missing[start : start + 256]
+        for (_, block_hash), data in zip(
+            batch, read_blocks(kv_caches, [b for b, _ in batch]), strict=True
+        ):
+            tier.put(block_hash, data)
+    return len(missing)
