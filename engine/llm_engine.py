@@ -403,6 +403,9 @@ class LLMEngine:
         s.kv_blocks = kv.block_counts()
         s.prefix_cache_queries = kv.stats.queries
         s.prefix_cache_hits = kv.stats.hits
+        s.tier_hits = kv.stats.tier_hits
+        if kv.tier is not None:
+            s.tier_blocks, s.tier_num_blocks = len(kv.tier), kv.tier.num_slots
         s.num_preemptions = self.scheduler.num_preemptions
         s.generation_tokens += len(updated)
         # A request's first token ends its prefill: its whole prompt counts once, however

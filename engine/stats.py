@@ -17,6 +17,11 @@ class EngineStats:
     kv_blocks: BlockCounts = field(default_factory=BlockCounts)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found there (cumulative)
+    # The second tier (--kv-offload-bytes): prompt tokens brought back from it (then
+    # served as hits; cumulative), and its blocks held and slots (0, 0 without a tier).
+    tier_hits: int = 0
+    tier_blocks: int = 0
+    tier_num_blocks: int = 0
     num_preemptions: int = 0  # cumulative
     # Cumulative whole prompts (cache hits included) of requests whose prefill completed,
     # counted once per request as vLLM counts them; the hits have their own counters.

@@ -9,8 +9,10 @@ prometheus_client is thread-safe, and /metrics reads from the event loop.
 The pool's blocks by state (`kv_cache_blocks{tier,state}`, `kv_cache_num_blocks{tier}`)
 are read when /metrics is scraped, from the counts the engine thread last published
 (`watch_kv_blocks`; else the last step's): the pool also changes between steps (aborts,
-a cache reset) and before the first one. `tier="pool"` is the device's block pool; a host
-memory tier will add its own series under the same names.
+a cache reset) and before the first one. `tier="pool"` is the device's block pool;
+`tier="host"` the second tier's file (with --kv-offload-bytes: its slots holding a block are
+"cached", the others "free"), and `external_prefix_cache_hits` counts the prompt tokens
+brought back from it.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ ITERATION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                            5.0, 10.0, 30.0)  # fmt: skip
 
-POOL_TIER = "pool"  # the device's KV block pool (a host tier is planned)
+POOL_TIER = "pool"  # the device's KV block pool
+HOST_TIER = "host"  # the second tier's file (--kv-offload-bytes)
 BLOCK_STATES = ("free", "cached", "in_use")  # BlockCounts' fields, as label values
 
 # The cumulative EngineStats fields mirrored as Prometheus counters.
-_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "tier_hits", "num_preemptions",
                "prompt_tokens", "generation_tokens")  # fmt: skip
 
 
@@ -84,6 +87,10 @@ class ServerMetrics:
             "prefix_cache_hits": Counter(
                 PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                 registry=r),
+            "tier_hits": Counter(
+                PREFIX + "external_prefix_cache_hits",
+                "Prompt tokens brought back from the host KV tier (then counted as prefix "
+                "cache hits).", registry=r),
             "num_preemptions": Counter(
                 PREFIX + "num_preemptions", "Requests preempted (blocks freed, recomputed later).",
                 registry=r),
@@ -137,7 +144,7 @@ class ServerMetrics:
             self.grammar_requests.labels(cache=result)
         self._last = EngineStats()
         self._kv_blocks_source: Callable[[], BlockCounts | None] | None = None
-        r.register(_KVBlocksCollector(self.kv_blocks))
+        r.register(_KVBlocksCollector(self.kv_blocks, lambda: self._last))
 
     def watch_kv_blocks(self, source: Callable[[], BlockCounts | None]) -> None:
         """Read the pool's block counts from `source` at each scrape. It must return what the
@@ -197,8 +204,11 @@ class _KVBlocksCollector(Collector):
     """The block gauges, from one `BlockCounts` per scrape, so the states add up to the
     total in every scrape (three separate gauges could each be read at another moment)."""
 
-    def __init__(self, counts: Callable[[], BlockCounts | None]) -> None:
+    def __init__(
+        self, counts: Callable[[], BlockCounts | None], stats: Callable[[], EngineStats]
+    ) -> None:
         self._counts = counts
+        self._stats = stats  # the last step's: the host tier's blocks
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         by_state = GaugeMetricFamily(
@@ -215,6 +225,13 @@ class _KVBlocksCollector(Collector):
             for state in BLOCK_STATES:
                 by_state.add_metric([POOL_TIER, state], getattr(counts, state))
             total.add_metric([POOL_TIER], counts.total)
+        stats = self._stats()
+        if stats.tier_num_blocks:  # the host tier: its slots hold a block or nothing
+            held = stats.tier_blocks
+            by_state.add_metric([HOST_TIER, "cached"], held)
+            by_state.add_metric([HOST_TIER, "free"], stats.tier_num_blocks - held)
+            by_state.add_metric([HOST_TIER, "in_use"], 0)
+            total.add_metric([HOST_TIER], stats.tier_num_blocks)
         yield by_state
         yield total
 

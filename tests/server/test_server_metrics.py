@@ -100,6 +100,24 @@ def test_block_gauges_by_state_and_tier():
     assert ("pagedserve:kv_cache_usage_perc", ()) in samples(m)
 
 
+def test_the_host_tier_has_its_blocks_and_its_hits():
+    m = ServerMetrics()
+    pool = BlockCounts(free=5, cached=2, in_use=1)
+    m.on_step(EngineStats(kv_blocks=pool, num_steps=1, tier_hits=32, tier_blocks=3,
+                          tier_num_blocks=10))  # fmt: skip
+    got = block_samples(m)
+    assert got[("pagedserve:kv_cache_blocks", (("state", "cached"), ("tier", "host")))] == 3
+    assert got[("pagedserve:kv_cache_blocks", (("state", "free"), ("tier", "host")))] == 7
+    assert got[("pagedserve:kv_cache_num_blocks", (("tier", "host"),))] == 10
+    assert samples(m)[("pagedserve:external_prefix_cache_hits_total", ())] == 32
+    m.on_step(EngineStats(kv_blocks=pool, num_steps=2, tier_hits=48, tier_blocks=4,
+                          tier_num_blocks=10))  # fmt: skip
+    assert samples(m)[("pagedserve:external_prefix_cache_hits_total", ())] == 48
+    none = ServerMetrics()  # no tier: no host series
+    none.on_step(EngineStats(kv_blocks=pool, num_steps=1))
+    assert all(("tier", "host") not in labels for _, labels in block_samples(none))
+
+
 def test_a_watched_source_is_read_at_each_scrape():
     """Between steps (an abort, a cache reset) the engine publishes new counts that no
     on_step carries: the scrape reads them."""
