@@ -21,6 +21,7 @@ Eviction within the tier is least recently used; `get` and `put` count as use.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -59,13 +60,18 @@ class HostTier:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fresh = os.pread(fd, _HEADER.size, 0) != header or os.fstat(fd).st_size != size
-            if fresh:  # another model, layout or size, or a new file: start empty
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)  # zero-filled: every slot empty
-            self._mm = mmap.mmap(fd, size)
-        finally:
+            # One process per file: another's writes would move entries under our index.
+            # The lock lives as long as the descriptor, which `close` (or exit) releases.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
+            raise ValueError(f"the KV tier file {self.path} is in use by another process") from None
+        fresh = os.pread(fd, _HEADER.size, 0) != header or os.fstat(fd).st_size != size
+        if fresh:  # another model, layout or size, or a new file: start empty
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)  # zero-filled: every slot empty
+        self._fd = fd
+        self._mm = mmap.mmap(fd, size)
         if fresh:
             self._mm[: _HEADER.size] = header
         # key -> slot, least recently used first; slots not in it are free.
@@ -146,3 +152,4 @@ class HostTier:
         if not self._mm.closed:
             self._mm.flush()
             self._mm.close()
+            os.close(self._fd)

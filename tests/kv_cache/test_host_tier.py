@@ -50,8 +50,10 @@ def test_a_file_for_another_model_or_size_starts_empty(tmp_path):
     t = tier(path)
     t.put(*block(0))
     t.close()
-    assert len(tier(path, identity="model-b")) == 0
-    assert len(tier(path, slots=8)) == 0
+    for changed in ({"identity": "model-b"}, {"slots": 8}):
+        other = tier(path, **changed)
+        assert len(other) == 0
+        other.close()
 
 
 def test_a_torn_entry_is_dropped_not_served(tmp_path):
@@ -69,6 +71,20 @@ def test_a_torn_entry_is_dropped_not_served(tmp_path):
     assert again.get(block(1)[0]) is None and again.dropped == 1
     assert block(1)[0] not in again
     assert again.get(block(0)[0]) == block(0)[1] and again.get(block(2)[0]) == block(2)[1]
+
+
+def test_one_process_at_a_time_holds_a_file(tmp_path):
+    first = tier(tmp_path / "tier.bin")
+    code = (
+        "import sys; from kv_cache.host_tier import HostTier, HEADER_BYTES\n"
+        "try:\n    HostTier(sys.argv[1], HEADER_BYTES + 4 * 1036, 1000, 'model-a')\n"
+        "except ValueError as e:\n    print(e)"
+    )
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tier.bin")],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "in use by another process" in other.stdout
+    first.close()
+    tier(tmp_path / "tier.bin").close()  # free again once closed
 
 
 def test_bad_sizes_are_refused(tmp_path):
