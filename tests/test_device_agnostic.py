@@ -68,7 +68,14 @@ _GGUF_HOST = (
     "the configured device (dest.copy_)"
 )
 # (path, enclosing scope, kind) -> why it is correct on CPU and on CUDA alike.
+_TIER_HOST = (
+    "the KV tier keeps blocks in host memory (a memory-mapped file): a block's bytes leave the "
+    "cache's device for the host and come back with .to(the cache's device)"
+)
 ALLOWED: dict[tuple[str, str, str], str] = {
+    ("engine/kv_tier.py", "read_blocks", ".cpu()"): _TIER_HOST,
+    ("engine/kv_tier.py", "read_blocks", ".numpy()"): _TIER_HOST,
+    ("engine/kv_tier.py", "write_blocks", "torch.from_numpy without device="): _TIER_HOST,
     (
         "engine/gguf_weights.py",
         "GGUFTensor.dequantize",

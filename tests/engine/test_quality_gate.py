@@ -80,18 +80,19 @@ def test_bfloat16_modes_perplexity_within_1_percent_and_greedy_agreement(referen
     assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
 
 
-def test_int8_kv_cache_perplexity_within_1_percent_and_greedy_agreement(reference):
-    # The same float32 weights and ops, K and V stored as int8 rows: measured +0.79%, 51.3%
-    # of greedy tokens before the first divergence (Zen 3). Through the decode path on the
-    # GGUF's blocks (`python -m bench.quality --modes auto+auto --kv-cache-dtype int8`, then
-    # without the flag): +0.64% against the float32 cache. The decode kernel reads the rows
-    # as the values the prefill reads (tests/engine/test_kv_int8.py), so that 55-second
-    # figure is not re-run here.
-    ref_ppl, ref_tokens = reference
-    ppl, tokens = measure("float32", kv_cache_dtype="int8", **SMALL_KV)
-    assert abs(ppl / ref_ppl - 1) < 0.01, (ppl, ref_ppl)
-    assert ppl != ref_ppl  # the rows really were quantized
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
+def test_int8_kv_cache_perplexity_within_1_percent(reference):
+    # The same float32 weights and ops, K and V stored as int8 rows: measured +0.79%, and
+    # 51.3% of greedy tokens before the first divergence (Zen 3; `python -m bench.quality`
+    # has the agreement, left out here for the suite's time). Through the decode path on
+    # the GGUF's blocks (`python -m bench.quality --modes auto+auto --kv-cache-dtype int8`,
+    # then without the flag): +0.64% against the float32 cache. The decode kernel reads
+    # the rows as the values the prefill reads (tests/engine/test_kv_int8.py), so that
+    # 55-second figure is not re-run here.
+    llm = LLM(dtype="float32", kv_cache_dtype="int8", **SMALL_KV)
+    ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))
+    ppl = perplexity(llm.engine, ids)
+    assert abs(ppl / reference[0] - 1) < 0.01, (ppl, reference[0])
+    assert ppl != reference[0]  # the rows really were quantized
 
 
 def test_the_default_models_projections_quantize_to_int4_bit_for_bit():
