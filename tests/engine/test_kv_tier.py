@@ -103,7 +103,7 @@ KILLED_WRITER = textwrap.dedent("""
 
 def test_an_engine_killed_mid_write_leaves_no_wrong_block(model_dir, tmp_path, expected):
     cache = tmp_path / "cache"
-    for delay_s in (0.5, 1.2):  # two kills into one file, at different moments
+    for delay_s in (0.9,):  # a kill mid-churn (the file's own test kills a writer 12 times)
         proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(model_dir), str(cache)],
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert proc.stdout.readline().strip() == "ready"
