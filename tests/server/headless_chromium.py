@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -84,7 +85,10 @@ def headless_page(
     chromium: str, window: tuple[int, int] = (1280, 900), timeout_s: float = 30
 ) -> Iterator[Page]:
     """A headless chromium with one blank tab; the browser is gone when the block ends."""
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    # Chromium's helper processes (renderer, zygote, crash handler) outlive its main one for
+    # a moment: they run in their own session, killed as a group below, and a straggler's
+    # last write must not fail the removal of the profile.
+    with tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True) as profile:
         log = open(Path(profile) / "stderr.log", "wb")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(
             [
@@ -96,6 +100,7 @@ def headless_page(
             ],
             stdout=subprocess.DEVNULL,
             stderr=log,
+            start_new_session=True,
         )  # fmt: skip
         try:
             try:
@@ -110,13 +115,18 @@ def headless_page(
             with connect(page["webSocketDebuggerUrl"], max_size=None, proxy=None) as ws:
                 yield Page(ws)
         finally:
-            proc.terminate()
+            _kill_group(proc, signal.SIGTERM)
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _kill_group(proc, signal.SIGKILL)
                 proc.wait(10)
             log.close()
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def _devtools_port(profile: Path, proc: subprocess.Popen, timeout_s: float) -> int:
