@@ -123,11 +123,14 @@ class KVCacheManager:
 
         Capped at len(all_token_ids) - 1 tokens: the last token must be
         computed to get logits, so a fully cached prompt gives up its last
-        block.
+        block. With a second tier, the run continues with the blocks it brings
+        back (`_restore`).
         """
         if not self.enable_caching:
             return [], 0
         state, hits = self._lookup(req)
+        if self.tier is not None:
+            hits += self._restore(req, state, hits)
         num_hit_tokens = len(hits) * self.block_size
         state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
@@ -144,36 +147,34 @@ class KVCacheManager:
         if self._event_listener is not None:
             self._event_listener(event)
 
-    def restore_from_tier(self, req: RequestLike) -> int:
-        """Bring back from the tier the blocks that continue req's cached prefix in the
-        pool, when the pool has room for the whole request: each is cached in a free
-        block now, its bytes copied in before the next step runs (`take_tier_moves`), so
-        the lookup that follows hits it. Returns the blocks brought back."""
-        if self.tier is None:
-            return 0
-        state, hits = self._lookup(req)
+    def _restore(
+        self, req: RequestLike, state: _RequestState, hits: list[KVCacheBlock]
+    ) -> list[KVCacheBlock]:
+        """The blocks the tier gives back to continue `hits` (req's cached prefix in the
+        pool), when the pool has room for the whole request: each is cached in a free
+        block now, its bytes copied in before the next step runs (`take_tier_moves`)."""
         pool, bs = self.block_pool, self.block_size
         hashes = state.block_hashes
         num_tokens = len(req.all_token_ids)
         limit = (num_tokens - 1) // bs  # as get_computed_blocks: the last token is computed
         first = len(hits)
         if first >= limit or hashes[first] not in self.tier:
-            return 0
+            return []
         # The request's hits stay out of reach while blocks are taken from the free head.
         needed = -(-num_tokens // bs) - first
         if needed > len(pool.free_block_queue) - sum(1 for b in hits if b.ref_cnt == 0):
-            return 0
+            return []
         pool.touch(hits)
-        restored = 0
+        restored = []
         for index in range(first, limit):
             data = self.tier.get(hashes[index])  # None: absent, or torn (dropped)
             if data is None:
                 break
             block = pool.adopt(hashes, index)
             self._loads[block.block_id] = (hashes[index], data)
-            restored += 1
+            restored.append(block)
         pool.free_blocks(reversed(hits))
-        self.stats.tier_hits += restored * bs
+        self.stats.tier_hits += len(restored) * bs
         return restored
 
     def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:

@@ -5,7 +5,7 @@ and decode. Running requests go first, in admission order: one decode token
 each, or the next chunk of an unfinished prompt. Then waiting requests are
 admitted while the budget and `max_num_seqs` allow, each starting from its
 longest cached prefix: first-come first-served ("fcfs"), or longest cached
-prefix first ("lpm", see `_schedule_waiting_lpm`). A prompt longer than the
+prefix first ("lpm", see `_schedule_waiting_ordered`). A prompt longer than the
 budget left is prefilled in chunks over several steps.
 
 When a running request cannot get a block, the most recently admitted running
@@ -33,7 +33,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from itertools import islice
+from itertools import count, islice
 
 from kv_cache import KVCacheManager
 from kv_cache.block_pool import EventListener
@@ -83,7 +83,7 @@ class Scheduler:
         # (queue deadline, tie-break, request) of requests that have one, earliest first;
         # entries of requests scheduled or finished since are skipped when they surface.
         self._deadlines: list[tuple[float, int, Request]] = []
-        self._num_added = 0
+        self._tiebreak = count()
         # Unfinished requests with a priority other than 0: while there are none, the
         # FCFS queue needs no sorting.
         self._num_prioritized = 0
@@ -99,9 +99,9 @@ class Scheduler:
         self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self._num_added += 1
         if request.queue_deadline is not None:
-            heapq.heappush(self._deadlines, (request.queue_deadline, self._num_added, request))
+            entry = (request.queue_deadline, next(self._tiebreak), request)
+            heapq.heappush(self._deadlines, entry)
         if request.priority:
             self._num_prioritized += 1
 
@@ -118,9 +118,8 @@ class Scheduler:
         max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
         needed_blocks = -(-(max_len - 1) // cfg.block_size)
         # Pinned blocks never come free: a request must fit in the others.
-        usable = cfg.num_blocks - self.kv_cache_manager.num_pinned_blocks
-        if needed_blocks > usable:
-            pinned = cfg.num_blocks - usable
+        pinned = self.kv_cache_manager.num_pinned_blocks
+        if needed_blocks > cfg.num_blocks - pinned:
             raise ValueError(
                 f"request needs up to {needed_blocks} KV blocks ({max_len - 1} tokens: prompt "
                 f"{num_prompt} + max_tokens {request.sampling_params.max_tokens} - 1, "
@@ -276,7 +275,6 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
-            mgr.restore_from_tier(request)
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
             num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
             if mgr.allocate_slots(request, num_new, hits) is None:
@@ -306,7 +304,6 @@ class Scheduler:
         for request in self._admission_order():
             if budget <= 0 or len(running) >= max_num_seqs:
                 break
-            mgr.restore_from_tier(request)
             hits, num_hit_tokens = mgr.get_computed_blocks(request)
             num_new = min(len(request.all_token_ids) - num_hit_tokens, budget)
             if mgr.allocate_slots(request, num_new, hits) is None:
