@@ -454,9 +454,3 @@ def _available_ram() -> int:
         except (ValueError, OSError):
             pass
     return CPU_DEFAULT_KV_BYTES  # unknown: trust the default budget
-
-
-def distributed_backend(device: torch.device) -> str:
-    """torch.distributed's backend for tensor parallelism on this device: NCCL between
-    CUDA devices, gloo on the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"

@@ -42,9 +42,13 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
-def init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
-    from engine.config import distributed_backend  # config imports the models, which import us
+def distributed_backend(device: torch.device) -> str:
+    """torch.distributed's backend for tensor parallelism on this device: NCCL between
+    CUDA devices, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
+
+def init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
     dist.init_process_group(
         distributed_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
         world_size=size,
