@@ -24,26 +24,22 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.cli import SERVER_NAMES, load_config_from_args, plot_points, workload_spec, write_json
-from bench.report import markdown_table
+from bench.arguments import SERVER_NAMES, load_config_from_args, workload_spec
+from bench.machine import cpu_flags_line, machine_line
+from bench.plots import plot_points
+from bench.report import markdown_table, write_json
 from bench.runner import SweepPoint, load_bench_tokenizer, run_sweep, warm_up
+from bench.servers import ServerFailed, free_port, launch, stop, wait_ready
 
-LOG_TAIL_CHARS = 2000
 # llama.cpp's llama-server runs 4 slots when -np is not given (recent builds; older ones 1).
 LLAMA_SERVER_DEFAULT_SLOTS = 4
 LLAMA_SERVER_NP = re.compile(r"llama-server-np([1-9][0-9]*)")
@@ -270,64 +266,6 @@ def _resolve_model_dir(model: str | None) -> Path:
 # -------------------------------------------------------------------- server processes
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerFailed(RuntimeError):
-    pass
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    """Until /health (or /v1/models, for servers without /health) answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ServerFailed(f"exited with code {proc.returncode}:\n{_tail(log)}")
-        for path in ("/health", "/v1/models"):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + path, timeout=5).status_code == 200:
-                    return
-        time.sleep(0.5)
-    raise ServerFailed(f"not ready after {timeout_s:.0f}s:\n{_tail(log)}")
-
-
-def _tail(log: Path) -> str:
-    try:
-        return log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-    except OSError:
-        return ""
-
-
-def launch(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr into `log` (which starts with the command line),
-    its environment the user's plus `env`: not the OpenMP settings importing `engine` put
-    into ours (llama-server uses OpenMP too; it ran with pagedserve's passive waiting until
-    this was fixed), which a pagedserve child sets for itself."""
-    import engine
-
-    log.parent.mkdir(parents=True, exist_ok=True)
-    inherited = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_DEFAULTS_SET}
-    env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log, "w", encoding="utf-8") as log_file:
-        log_file.write("$ " + shlex.join(argv) + "\n")
-        log_file.flush()
-        # The child keeps its own copy of the file descriptor after ours is closed.
-        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
-    """SIGTERM, then SIGKILL after `timeout_s`; the exit code (negative: killed by a signal)."""
-    proc.terminate()
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 @contextlib.contextmanager
 def started(spec: ServerSpec, log_dir: Path, timeout_s: float) -> Iterator[str]:
     """The server's base URL while it runs; it is stopped (SIGTERM, then SIGKILL) after."""
@@ -455,37 +393,6 @@ def ratio_lines(records: Sequence[dict]) -> list[str]:
         if parts:
             lines.append(f"- {workload}, concurrency {conc or 'inf'}: " + "; ".join(parts))
     return lines
-
-
-def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
-
-
-# The CPU flags that decide how fast these servers' kernels can be: AVX2 / AVX-512 for
-# float32 and quantized dot products, VNNI for int8 ones (llama.cpp), AVX512-BF16 and AMX
-# for bfloat16 matmuls (pagedserve's dtype=auto picks bfloat16 with either).
-SPEED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
-
-
-def cpu_flags_line(cpuinfo: str | None = None) -> str:
-    """E.g. "avx2 yes, avx512f yes, avx512_vnni yes, avx512_bf16 no, amx_bf16 no", from
-    /proc/cpuinfo's first `flags` line (`cpuinfo` for tests); "unknown" without one."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in SPEED_FLAGS)
-    return "unknown"
 
 
 def results_markdown(

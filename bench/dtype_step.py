@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 
-from bench.compare import machine_line
+from bench.machine import machine_line
 
 PROMPT_TOKENS = 300
 ROUNDS, STEPS_PER_TURN = 8, 6

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     for spinner in spinners:
         spinner.start()
-    from bench.compare import machine_line
+    from bench.machine import machine_line
 
     print(machine_line())
     print(f"{args.runs} runs of pytest {' '.join(selection)}, {args.busy} busy loops beside")

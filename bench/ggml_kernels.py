@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from bench.compare import machine_line
+from bench.machine import machine_line
 from engine.kernels import ggml_kernels
 
 # (out, in) of each projection of a TinyLlama-1.1B layer, q/k/v and gate/up fused.

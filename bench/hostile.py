@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, machine_line, stop, wait_ready
+from bench.machine import machine_line
+from bench.servers import free_port, launch, stop, wait_ready
 
 ROUTES = {  # where each route's body takes the nested value
     "/v1/completions": ('{"model": "m", "max_tokens": 1, "prompt": ', "}"),

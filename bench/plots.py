@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -106,3 +107,25 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_points(points: Sequence[Any], out_dir: Path, label_key: str) -> list[Path]:
+    """A TTFT CDF per workload (one curve per label and concurrency), and per workload a
+    throughput/TTFT-against-concurrency plot when more than one level was run."""
+    written = []
+    for workload in dict.fromkeys(p.record["workload"] for p in points):
+        mine = [p for p in points if p.record["workload"] == workload]
+        series = {
+            f"{p.record.get(label_key, workload)} c={p.record['concurrency'] or 'inf'}": p.ttfts
+            for p in mine
+        }
+        written.append(
+            plot_ttft_cdf(series, out_dir / f"ttft_cdf_{workload}.png", f"TTFT CDF: {workload}")
+        )
+        if len({p.record["concurrency"] for p in mine}) > 1:
+            records = [p.record for p in mine]
+            path = out_dir / f"sweep_{workload}.png"
+            written.append(plot_sweep(records, path, f"{workload}", label_key=label_key))
+    for path in written:
+        print(f"# wrote {path}", file=sys.stderr)
+    return written

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.compare import machine_line
+from bench.machine import machine_line
 
 QUALITY_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_text.txt"
 PROMPTS = (

@@ -26,10 +26,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.compare import cpu_flags_line, free_port, machine_line
 from bench.loadgen import LoadConfig, run_load
+from bench.machine import cpu_flags_line, machine_line
 from bench.report import percentile, publish
 from bench.runner import load_bench_tokenizer
+from bench.servers import free_port
 from bench.workloads import WorkloadSpec, build_prompts
 
 NUM_BLOCKS = 192

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, machine_line, stop, wait_ready
+from bench.machine import machine_line
+from bench.servers import free_port, launch, stop, wait_ready
 
 _TEXT = (
     "the of and to in is was that for it with as on be at by this had not are but from or "

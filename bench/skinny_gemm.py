@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.compare import machine_line
+from bench.machine import machine_line
 
 # (out, in) of the default model's fused qkv, o, gate/up and down projections.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, stop, wait_ready
+from bench.servers import free_port, launch, stop, wait_ready
 
 REQUEST = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 

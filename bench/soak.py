@@ -37,11 +37,12 @@ from typing import Any
 
 import httpx
 
-from bench.cli import MALFORMED_KIND_NAMES
-from bench.compare import ServerFailed, free_port, launch, machine_line, stop, wait_ready
+from bench.arguments import MALFORMED_KIND_NAMES
 from bench.loadgen import arrival_delays
+from bench.machine import machine_line
 from bench.report import load_average
 from bench.server_metrics import parse_metrics
+from bench.servers import ServerFailed, free_port, launch, stop, wait_ready
 from bench.workloads import SEPARATOR, WORDS
 
 OK, ABORTED, CLIENT_ERROR, OVERLOADED, SERVER_ERROR, TRANSPORT = (
@@ -53,7 +54,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 # Every malformed kind answered 200 is a validation hole and fails the soak. The names
-# live in bench.cli, which must build its parser without importing httpx.
+# live in bench.arguments, which must build its parser without importing httpx.
 MALFORMED_KINDS = MALFORMED_KIND_NAMES
 # n at the protocol's maximum times many prompts: far more sequences than any batch holds.
 FAN_OUT_N, FAN_OUT_PROMPTS = 128, 1024

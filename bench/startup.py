@@ -23,7 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.compare import free_port, machine_line
+from bench.machine import machine_line
+from bench.servers import free_port
 
 
 def tree_rss_gib(pid: int) -> float:

@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.compare import cpu_flags_line, free_port, launch, machine_line, stop, wait_ready
 from bench.loadgen import LoadConfig, RequestResult, make_client, run_load, send_request
+from bench.machine import cpu_flags_line, machine_line
 from bench.report import percentile, publish
 from bench.server_metrics import scrape
+from bench.servers import free_port, launch, stop, wait_ready
 from bench.workloads import Prompt
 
 

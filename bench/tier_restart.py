@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.compare import free_port, launch, machine_line, stop, wait_ready
+from bench.machine import machine_line
+from bench.servers import free_port, launch, stop, wait_ready
 from bench.workloads import question_text, text_of_tokens
 
 

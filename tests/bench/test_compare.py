@@ -57,7 +57,7 @@ def test_compare_runs_two_servers_and_writes_the_table(tiny_model_dir: Path, tmp
 def parse_compare(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     compare_args = parser.add_subparsers(dest="bench_command").add_parser("compare")
-    from bench.cli import add_compare_arguments
+    from bench.arguments import add_compare_arguments
 
     add_compare_arguments(compare_args)
     return parser.parse_args(["compare", *argv])
@@ -245,7 +245,7 @@ def test_default_servers_and_help_name_the_peers():
         "pagedserve", "pagedserve-no-cache", "naive", "llama-cpp-python", "llama-server",
         "transformers-serve",
     ]  # fmt: skip
-    from bench.cli import SERVERS_HELP
+    from bench.arguments import SERVERS_HELP
 
     assert "one request at a time" in SERVERS_HELP and "llama-server-np32" in SERVERS_HELP
 
