@@ -1,6 +1,8 @@
 """The engine's start-up options, their validation, and their resolution to concrete values.
 
-Every CLI flag maps onto one `EngineConfig` field and `LLM(**fields)` takes the same names.
+Every CLI flag maps onto one `EngineConfig` field, and `LLM(**fields)` takes the same names:
+a field's `flag()` declares its flag's help, kind and choices (server/cli.py builds the flags
+from them) and the check that its kind implies.
 A bad value fails here, at start-up, with a ValueError naming the option. This is also the
 one place in engine code that names device strings: everything else receives a
 `torch.device` from `resolve_device()`.
@@ -8,11 +10,13 @@ one place in engine code that names device strings: everything else receives a
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 import torch
 
@@ -60,39 +64,166 @@ CPU_KV_MAX_FRACTION = 0.4
 FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-@dataclass
+# -- the options' declarations: each field's flag and kind ---------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: object) -> bool:
+    return _is_int(value) and value >= 1  # type: ignore[operator]
+
+
+def _seconds(value: object) -> bool:
+    # The upper bound refuses inf (and the comparisons refuse nan).
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and 0 <= value < 1e9  # type: ignore[operator]
+
+
+class Kind(NamedTuple):
+    """A kind of option value: how the command line parses it, and the check `validate()`
+    runs on every field of the kind."""
+
+    parse: str | None  # the key of server/cli.py's parser for it; None: the text as given
+    noun: str = ""  # a bad value "must be {noun}"
+    check: Callable[[object], bool] | None = None  # None: `_problems` checks the field
+
+
+TEXT = Kind(None)
+INTEGER = Kind("int", "an integer", _is_int)
+POSITIVE_INT = Kind("positive_int", "a positive integer", _positive_int)
+BYTES = Kind("size", "a positive number of bytes", _positive_int)  # "2GiB" on the CLI
+SECONDS = Kind("seconds", "a number of seconds >= 0", _seconds)
+# A field whose flag flips its default (`--no-prefix-caching`).
+SWITCH = Kind("switch", "True or False", lambda value: isinstance(value, bool))
+
+
+@dataclass(frozen=True)
+class Flag:
+    """An EngineConfig field's command-line flag (server/cli.py's `add_engine_arguments`
+    adds one per field, in field order) and the check its kind or choices imply."""
+
+    kind: Kind = TEXT
+    help: str | None = None
+    choices: tuple[str, ...] = ()  # the values --help lists; `validate()` checks them too
+    name: str | None = None  # the flag without "--", where it is not the field's name
+    exclusive: str | None = None  # flags that name the same group cannot be given together
+
+    def problem(self, value: object, nullable: bool) -> str | None:
+        """Why `value` is bad for the field (None may be allowed), or None: fine, or left
+        to `_problems`."""
+        if nullable and value is None:
+            return None
+        if self.choices:
+            ok, noun = value in self.choices, f"one of {', '.join(self.choices)}"
+        elif self.kind.check is not None:
+            ok, noun = self.kind.check(value), self.kind.noun
+        else:
+            return None
+        return None if ok else f"must be {noun}{' or None' if nullable else ''}, got {value!r}"
+
+
+def flag(
+    default: Any,
+    kind: Kind = TEXT,
+    *,
+    help: str | None = None,
+    choices: tuple[str, ...] = (),
+    name: str | None = None,
+    exclusive: str | None = None,
+) -> Any:
+    """An EngineConfig field with its flag: a new engine option is this one declaration."""
+    return field(default=default, metadata={"flag": Flag(kind, help, choices, name, exclusive)})
+
+
+@dataclass(frozen=True)  # changed only by `dataclasses.replace`, which validates the copy
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
+    # None: the embedded default model
+    model: str | None = flag(
+        None,
+        help="a Hugging Face model directory or a .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    dtype: str = flag("auto", choices=("auto", *DTYPES))
+    device: str = flag("auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    # A power of two, which `_problems` checks.
+    block_size: int = flag(16, Kind("positive_int"), help="tokens per KV block (default 16)")
+    kv_cache_memory: int | None = flag(
+        None,
+        BYTES,
+        exclusive="kv cache size",
+        help="KV cache budget, e.g. 2GiB or a number of bytes",
+    )
+    num_blocks: int | None = flag(
+        None, POSITIVE_INT, exclusive="kv cache size", help="number of KV blocks"
+    )
     # "auto": the model's dtype; "int8": rows of int8 values and a float16 scale per token
     # and KV head (engine/attention/kv_cache.py), 1.94x bf16's blocks, 3.9x float32's.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = flag(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto (default): the model's dtype; int8: int8 values and a "
+        "float16 scale per token and KV head, 1.94x bf16's blocks in the "
+        "same bytes (3.9x float32's)",
+    )
     # The prefix cache's second tier: blocks the pool evicts go to a memory-mapped file of
     # this many bytes under cache_dir/kv-tier, and come back on a hit; the file outlives
     # the process. None: no tier.
-    kv_offload_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    prefix_cache_hash: str = "builtin"
+    kv_offload_bytes: int | None = flag(
+        None,
+        BYTES,
+        help="a second tier for the prefix cache: blocks the "
+        "pool evicts go to a memory-mapped file of this size "
+        "(e.g. 4GiB) under the cache dir and come back on a "
+        "hit; it outlives the process (default: none)",
+    )
+    gpu_memory_utilization: float = flag(0.9, Kind("float"))  # `_problems` checks (0, 1]
+    max_num_seqs: int = flag(256, POSITIVE_INT, help="requests per batch")
+    max_num_batched_tokens: int = flag(2048, POSITIVE_INT, help="tokens per step")
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = flag(None, POSITIVE_INT, help="context length")
+    enable_prefix_caching: bool = flag(
+        True, SWITCH, name="no-prefix-caching", help="disable prefix caching"
+    )
+    prefix_cache_hash: str = flag("builtin", choices=PREFIX_CACHE_HASHES)
     # Admission order (scheduler/config.py): "fcfs", or "lpm" (longest cached prefix first;
     # past age_bound_s seconds of waiting, arrival order again).
-    scheduling_policy: str = "fcfs"
-    age_bound_s: float = 5.0
-    seed: int = 0
-    attention_backend: str = "auto"
+    scheduling_policy: str = flag(
+        "fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="admission order: fcfs (default), or lpm: the waiting "
+        "request with the longest cached prefix first",
+    )
+    age_bound_s: float = flag(
+        5.0,
+        SECONDS,
+        name="age-bound",
+        help="lpm: seconds after which a waiting request is admitted in "
+        "arrival order, before any the cache prefers (default 5)",
+    )
+    seed: int = flag(0, INTEGER)
+    # One of the registry's backends, checked by `_problems` against the registry as it is then.
+    attention_backend: str = flag("auto")
     # "int8" / "int4": weight-only (CPUs with AVX512-BF16); None or "none": off (a GGUF is
     # dequantized); "auto": a GGUF's own blocks where the GGUF kernels run, else off.
-    quantization: str | None = "auto"
-    cache_dir: str | None = None  # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
+    quantization: str | None = flag(
+        "auto",
+        choices=("auto", "none", *QUANTIZATIONS),
+        help="weight-only int8, or int4 in Q4_1's blocks (CPUs with "
+        "AVX512-BF16); auto (default): what a GGUF's own Q4_1 / "
+        "Q8_0 blocks hold exactly, else none",
+    )
+    # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
+    cache_dir: str | None = flag(None, help="where converted models are kept")
     # Ranks the model is split over (engine/distributed.py); 1: one process, no split.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = flag(
+        1,
+        POSITIVE_INT,
+        help="split the model over this many processes "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA); it must "
+        "divide the heads (default 1)",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -292,12 +423,26 @@ class EngineConfig:
         return " ".join(parts)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def engine_flags() -> Iterator[tuple[Field[Any], Flag]]:
+    """Each EngineConfig field that has a flag, with it, in field order."""
+    for f in fields(EngineConfig):
+        if "flag" in f.metadata:
+            yield f, f.metadata["flag"]
 
 
-def _positive_int(value: object) -> bool:
-    return _is_int(value) and value >= 1  # type: ignore[operator]
+@functools.cache
+def _nullable_fields() -> frozenset[str]:
+    """The fields whose type admits None (`int | None`): None passes their check."""
+    hints = get_type_hints(EngineConfig)
+    return frozenset(name for name, hint in hints.items() if type(None) in get_args(hint))
+
+
+def _declared_problems(c: EngineConfig) -> list[tuple[str, str]]:
+    """(option, message) for every value its field's declared kind or choices reject."""
+    nullable = _nullable_fields()
+    found = ((f.name, flag.problem(getattr(c, f.name), f.name in nullable))
+             for f, flag in engine_flags())  # fmt: skip
+    return [(name, message) for name, message in found if message is not None]
 
 
 def _valid_device(device: object) -> bool:
@@ -310,58 +455,31 @@ def _valid_device(device: object) -> bool:
 
 
 def _problems(c: EngineConfig) -> list[tuple[str, str]]:
-    """(option, message) for every bad value, in field order."""
+    """(option, message) for every bad value: each field's own in field order (its declared
+    kind's, or one of the checks below), then the checks across fields."""
     checks: list[tuple[bool, str, str]] = [
         (c.model is None or (isinstance(c.model, str) and c.model != ""), "model",
          f"must be a model directory, a .gguf file or None (the default model), got {c.model!r}"),
-        (c.dtype == "auto" or c.dtype in DTYPES, "dtype",
-         f"must be one of auto, {', '.join(DTYPES)}, got {c.dtype!r}"),
         (_valid_device(c.device), "device",
          f"must be one of auto, cpu, cuda, cuda:N, got {c.device!r}"),
         (_positive_int(c.block_size) and c.block_size & (c.block_size - 1) == 0, "block_size",
          f"must be a positive power of two (e.g. 16), got {c.block_size!r}"),
-        (c.num_blocks is None or _positive_int(c.num_blocks), "num_blocks",
-         f"must be a positive integer or None, got {c.num_blocks!r}"),
-        (c.kv_cache_memory is None or _positive_int(c.kv_cache_memory), "kv_cache_memory",
-         f"must be a positive number of bytes or None, got {c.kv_cache_memory!r}"),
-        (c.num_blocks is None or c.kv_cache_memory is None, "num_blocks and kv_cache_memory",
-         "are exclusive: set one or neither"),
         (isinstance(c.gpu_memory_utilization, (int, float))
          and not isinstance(c.gpu_memory_utilization, bool)
          and 0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
          f"must be in (0, 1], got {c.gpu_memory_utilization!r}"),
-        (c.kv_offload_bytes is None or _positive_int(c.kv_offload_bytes), "kv_offload_bytes",
-         f"must be a positive number of bytes or None, got {c.kv_offload_bytes!r}"),
-        (c.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-         f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"),
-        (_positive_int(c.max_num_seqs), "max_num_seqs",
-         f"must be a positive integer, got {c.max_num_seqs!r}"),
-        (_positive_int(c.max_num_batched_tokens), "max_num_batched_tokens",
-         f"must be a positive integer, got {c.max_num_batched_tokens!r}"),
-        (c.max_model_len is None or _positive_int(c.max_model_len), "max_model_len",
-         f"must be a positive integer or None, got {c.max_model_len!r}"),
-        (isinstance(c.enable_prefix_caching, bool), "enable_prefix_caching",
-         f"must be True or False, got {c.enable_prefix_caching!r}"),
-        (c.prefix_cache_hash in PREFIX_CACHE_HASHES, "prefix_cache_hash",
-         f"must be one of {', '.join(PREFIX_CACHE_HASHES)}, got {c.prefix_cache_hash!r}"),
-        (c.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-         f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {c.scheduling_policy!r}"),
-        (isinstance(c.age_bound_s, (int, float)) and not isinstance(c.age_bound_s, bool)
-         and 0 <= c.age_bound_s < 1e9, "age_bound_s",
-         f"must be a number of seconds >= 0, got {c.age_bound_s!r}"),
-        (_is_int(c.seed), "seed", f"must be an integer, got {c.seed!r}"),
-        (_is_int(c.tensor_parallel_size) and c.tensor_parallel_size >= 1, "tensor_parallel_size",
-         f"must be an integer >= 1, got {c.tensor_parallel_size!r}"),
         (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
          "attention_backend",
          f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),
-        (c.quantization in (None, "none", "auto", *QUANTIZATIONS), "quantization",
-         f"must be one of auto, none, {', '.join(QUANTIZATIONS)} or None, "
-         f"got {c.quantization!r}"),
         (c.cache_dir is None or (isinstance(c.cache_dir, str) and c.cache_dir != ""), "cache_dir",
          f"must be a directory path or None, got {c.cache_dir!r}"),
+        (c.num_blocks is None or c.kv_cache_memory is None, "num_blocks and kv_cache_memory",
+         "are exclusive: set one or neither"),
     ]  # fmt: skip
-    return [(name, message) for ok, name, message in checks if not ok]
+    found = _declared_problems(c) + [(name, message) for ok, name, message in checks if not ok]
+    order = {f.name: i for i, f in enumerate(fields(EngineConfig))}
+    # A stable sort: a cross-field check names no single field and stays last.
+    return sorted(found, key=lambda problem: order.get(problem[0], len(order)))
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from server.errors import OpenAIError
 from server.limits import (
@@ -34,6 +34,9 @@ from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
+
+if TYPE_CHECKING:  # engine.config imports torch: at run time only add_engine_arguments does
+    from engine.config import Flag
 
 logger = logging.getLogger("pagedserve")
 
@@ -91,13 +94,6 @@ def _positive_int(text: str) -> int:
 def _positive_float(text: str) -> float:
     value = _non_negative_float(text)
     if value == 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return value
 
@@ -114,65 +110,54 @@ def _non_negative_float(text: str) -> float:
 
 # ---------------------------------------------------------------------------- engine flags
 
-# flag dest -> EngineConfig field (only flags the user gave are passed on).
-_ENGINE_FIELDS = (
-    "model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype", "kv_offload_bytes",
-    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "prefix_cache_hash", "scheduling_policy", "age_bound_s", "seed", "attention_backend",
-    "quantization", "cache_dir", "tensor_parallel_size",
-)  # fmt: skip
+# How the command line reads each kind of engine option (`Kind.parse` in engine/config.py).
+_ENGINE_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int,
+    "float": float,
+    "positive_int": _positive_int,
+    "size": parse_size,
+    "seconds": _non_negative_float,
+}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", help="a Hugging Face model directory or a .gguf file "
-                   "(default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
-    g.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default 16)")
-    size = g.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-memory", type=parse_size,
-                      help="KV cache budget, e.g. 2GiB or a number of bytes")  # fmt: skip
-    size.add_argument("--num-blocks", type=_positive_int, help="number of KV blocks")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
-                   help="auto (default): the model's dtype; int8: int8 values and a float16 "
-                   "scale per token and KV head, 1.94x bf16's blocks in the same bytes "
-                   "(3.9x float32's)")  # fmt: skip
-    g.add_argument("--kv-offload-bytes", type=parse_size,
-                   help="a second tier for the prefix cache: blocks the pool evicts go to a "
-                   "memory-mapped file of this size (e.g. 4GiB) under the cache dir and come "
-                   "back on a hit; it outlives the process (default: none)")  # fmt: skip
-    g.add_argument("--gpu-memory-utilization", type=float)
-    g.add_argument("--max-num-seqs", type=_positive_int, help="requests per batch")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, help="tokens per step")
-    g.add_argument("--max-model-len", type=_positive_int, help="context length")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--prefix-cache-hash", choices=["builtin", "sha256"])
-    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"],
-                   help="admission order: fcfs (default), or lpm: the waiting request with "
-                   "the longest cached prefix first")  # fmt: skip
-    g.add_argument("--age-bound", dest="age_bound_s", type=_non_negative_float,
-                   help="lpm: seconds after which a waiting request is admitted in arrival "
-                   "order, before any the cache prefers (default 5)")  # fmt: skip
-    g.add_argument("--seed", type=int)
-    g.add_argument("--attention-backend")
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only int8, or int4 in Q4_1's blocks (CPUs with AVX512-BF16); "
-                        "auto (default): what a GGUF's own Q4_1 / Q8_0 blocks hold exactly, "
-                        "else none")  # fmt: skip
-    g.add_argument("--cache-dir", help="where converted models are kept")
-    g.add_argument("--tensor-parallel-size", type=_positive_int,
-                   help="split the model over this many processes (torch.distributed: gloo "
-                   "on CPU, NCCL on CUDA); it must divide the heads (default 1)")  # fmt: skip
+    """The "engine" group: a flag for each `EngineConfig` field, in field order, made from
+    the field's declaration. Every flag defaults to None, so a flag left out keeps the
+    field's default. Imports engine.config, and so torch: call it only for a subcommand
+    that runs the engine (`_SubcommandParser` defers it until then)."""
+    from engine.config import engine_flags
+
+    group = parser.add_argument_group("engine")
+    exclusive: dict[str, Any] = {}  # group name -> its mutually exclusive argparse group
+    for field, flag in engine_flags():
+        target = group
+        if flag.exclusive is not None:
+            if flag.exclusive not in exclusive:
+                exclusive[flag.exclusive] = group.add_mutually_exclusive_group()
+            target = exclusive[flag.exclusive]
+        name = flag.name or field.name.replace("_", "-")
+        target.add_argument(f"--{name}", dest=field.name, help=flag.help,
+                            **_value_options(flag, field.default))  # fmt: skip
+
+
+def _value_options(flag: Flag, default: Any) -> dict[str, Any]:
+    """`add_argument`'s options for how an engine flag takes its value."""
+    if flag.kind.parse == "switch":  # the flag alone sets the field to the other value
+        return {"action": "store_const", "const": not default}
+    options: dict[str, Any] = {}
+    if flag.kind.parse is not None:
+        options["type"] = _ENGINE_PARSERS[flag.kind.parse]
+    if flag.choices:
+        options["choices"] = flag.choices
+    return options
 
 
 def engine_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the user's flags set (the others keep their defaults)."""
-    fields = {name: getattr(args, name) for name in _ENGINE_FIELDS}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if args.no_prefix_caching:
-        fields["enable_prefix_caching"] = False
-    return fields
+    from engine.config import engine_flags
+
+    given = {field.name: getattr(args, field.name) for field, _ in engine_flags()}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
@@ -474,14 +459,49 @@ register(Subcommand("bench", "load-test an OpenAI-compatible server (see bench/R
 # ----------------------------------------------------------------------------------- main
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds its arguments when it is first used, not when the
+    `pagedserve` parser is built: the engine flags come from `EngineConfig`, whose module
+    imports torch, and `pagedserve bench` must not pay for that (nor load it)."""
+
+    def __init__(
+        self, *args: Any, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self._pending_arguments = add_arguments
+
+    def _add_pending_arguments(self) -> None:
+        add, self._pending_arguments = self._pending_arguments, None
+        if add is not None:
+            add(self)
+
+    # argparse's subcommand action parses with parse_known_args; --help and errors format.
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_pending_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_pending_arguments()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_pending_arguments()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
         description="A small OpenAI-compatible LLM server with a prefix-caching paged KV cache.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser
+    )
     for sub in SUBCOMMANDS.values():
-        sub.add_arguments(subparsers.add_parser(sub.name, help=sub.help, description=sub.help))
+        subparsers.add_parser(
+            sub.name, help=sub.help, description=sub.help, add_arguments=sub.add_arguments
+        )
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -57,11 +58,12 @@ def test_bad_values_fail_naming_the_option(fields, message):
     assert str(excinfo.value).startswith(message)
 
 
-def test_validate_catches_a_field_changed_after_construction():
+def test_a_field_changes_only_through_replace_which_validates():
     config = EngineConfig()
-    config.block_size = 12
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 12  # type: ignore[misc]
     with pytest.raises(ValueError, match="^block_size "):
-        config.validate()
+        dataclasses.replace(config, block_size=12)
 
 
 @pytest.mark.parametrize(
