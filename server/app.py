@@ -19,11 +19,11 @@ from fastapi.routing import APIRoute
 
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
+from server.chat_rendering import plain_message
 from server.completions import create_completion
 from server.dashboard import PAGE_PATH, add_dashboard_routes
 from server.errors import (
     AnthropicErrorResponse,
-    bad_request,
     engine_dead,
     install_error_handlers,
     shutting_down,
@@ -56,7 +56,6 @@ from server.protocol import (
     ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
-    plain_message,
 )
 from server.responses import (
     DeletedResponse,
@@ -68,6 +67,7 @@ from server.responses import (
 )
 from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
 from server.tokens import apply_chat_template
+from server.validation import check_token_ids
 
 # The dashboard's page holds no data; its JSON (/dashboard/state) needs the key.
 OPEN_PATHS = frozenset({"/health", "/metrics", PAGE_PATH})
@@ -288,12 +288,7 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
-        vocab_size = ctx.engine.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param="tokens"
-            )
+        check_token_ids(body.tokens, ctx.engine.vocab_size, "tokens")
         text = ctx.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 

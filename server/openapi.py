@@ -129,7 +129,7 @@ def _fill_limits(node: Any, limits: dict[str, dict[str, Any]]) -> None:
 
 
 def token_id_key_pattern(vocab_size: int) -> str:
-    """A regex for the object keys protocol.TOKEN_ID_KEY reads as ids in [0, vocab_size)."""
+    """A regex for the object keys validation.TOKEN_ID_KEY reads as ids in [0, vocab_size)."""
     return f"^(?:-?0+|0*(?:{_decimals_up_to(vocab_size - 1)}))$"
 
 

@@ -1,67 +1,39 @@
-"""The OpenAI wire format as pydantic models, and their conversion to `SamplingParams`.
+"""The OpenAI wire format: request and response schemas as pydantic models.
 
 Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups:
 
 * supported: declared below and honoured;
 * known but not supported (`suffix`, `best_of` != n, `functions`, ...):
-  listed in `UNSUPPORTED_*`; a request that sets one to a non-empty value is a 400,
-  never silently ignored;
+  listed in `UNSUPPORTED_*` (server/validation.py); a request that sets one to a
+  non-empty value is a 400, never silently ignored;
 * anything else: kept by `extra="allow"`, ignored, and named in a logged warning
   (`unknown_fields()`), as vLLM does, so a newer SDK field does not break clients.
+
+This module holds the schemas only. What a request means is worked out beside it, and
+the request models' methods hand over to those modules: server/validation.py (checks the
+schemas cannot express: the model's vocabulary and context, rules between fields),
+server/structured_outputs.py (response_format, structured_outputs, guided_* to the
+engine's `StructuredOutputs`), server/chat_rendering.py (messages as the chat template's
+input) and server/sampling_params.py (the sampling fields as `SamplingParams`).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from engine import SamplingParams, StructuredOutputs, fits_context
-from server import json_body
-from server.errors import bad_request
+from engine import SamplingParams, StructuredOutputs
+from server import chat_rendering, sampling_params, structured_outputs, validation
+from server.validation import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, UNSUPPORTED_MESSAGE_FIELDS
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1
-# Below this temperature sampling is numerically greedy anyway (vLLM does the same), and
-# dividing the logits by it could overflow.
-MIN_SAMPLING_TEMPERATURE = SamplingParams.GREEDY_TEMPERATURE
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_QUEUE_TIMEOUT_S = 86_400.0  # a day: past it a deadline is no deadline
 LOGIT_BIAS_LIMIT = 100.0
-
-# vLLM-style extras and OpenAI fields this server cannot honour.
-_UNSUPPORTED_COMMON = (
-    "prompt_logprobs",
-    "guided_decoding_backend",  # there is one backend, xgrammar
-    "guided_whitespace_pattern",
-    "structural_tag",
-    "allowed_token_ids",
-    "bad_words",
-    "use_beam_search",
-    "length_penalty",
-    "truncate_prompt_tokens",
-    "prompt_embeds",
-    "return_tokens_as_token_ids",
-    "logits_processors",
-)
-UNSUPPORTED_COMPLETION = ("suffix", *_UNSUPPORTED_COMMON)
-UNSUPPORTED_CHAT = (
-    "functions",
-    "function_call",
-    "audio",
-    "prediction",
-    "web_search_options",
-    "reasoning_effort",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-    "continue_final_message",
-    "echo",
-    *_UNSUPPORTED_COMMON,
-)
 
 
 # ------------------------------------------------------------------- request schemas
@@ -80,13 +52,12 @@ def _limit(name: str) -> dict[str, Any]:
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=_limit("token_id"))]
-# A token id as a JSON object key (logit_bias): plain decimal digits, optionally signed.
-TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+# A token id as a JSON object key (logit_bias): validation.TOKEN_ID_KEY says which keys.
 TokenIdKey = Annotated[str, Field(json_schema_extra=_limit("token_id_key"))]
 LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("prompt_tokens"))]
 
-# What `reject_unsupported` lets through: the empty values.
+# What `validation.reject_unsupported` lets through: the empty values.
 _UNSET_SCHEMA: dict[str, Any] = {
     "description": "Not supported by this server: only an empty value is accepted.",
     "anyOf": [
@@ -159,18 +130,6 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _is_unset(value: Any) -> bool:
-    return value is None or value is False or value == "" or value == [] or value == {}
-
-
-def reject_unsupported(req: OpenAIBaseModel, names: tuple[str, ...]) -> None:
-    """400 for a known-unsupported field set to anything but an empty value."""
-    extra = req.model_extra or {}
-    for name in names:
-        if name in extra and not _is_unset(extra[name]):
-            raise bad_request(f"`{name}` is not supported by this server.", param=name)
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
@@ -200,58 +159,6 @@ class StructuredOutputsParam(OpenAIBaseModel):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: NonEmptyStr | None = None
     json_object: bool | None = None
-
-
-def _json_schema_value(value: JsonSchemaValue | str, param: str) -> JsonSchemaValue:
-    """vLLM accepts a schema as an object or as JSON text."""
-    if not isinstance(value, str):
-        return value
-    parsed = json_body.loads_field(value, param)
-    if not isinstance(parsed, dict | bool):
-        raise bad_request(f"`{param}` must be a JSON schema object.", param=param)
-    return parsed
-
-
-def _from_structured_outputs(so: StructuredOutputsParam) -> tuple[StructuredOutputs, str]:
-    given = [
-        (name, value)
-        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                            ("grammar", so.grammar), ("json_object", so.json_object or None))
-        if value is not None
-    ]  # fmt: skip
-    if len(given) != 1:
-        raise bad_request(
-            "`structured_outputs` takes exactly one of json, regex, choice, grammar and "
-            f"json_object; got {len(given)}.",
-            param="structured_outputs",
-        )
-    name, value = given[0]
-    param = f"structured_outputs.{name}"
-    return _structured(name, value, param), param
-
-
-def _structured(kind: str, value: Any, param: str, strict: bool = True) -> StructuredOutputs:
-    if kind == "json":
-        return StructuredOutputs.json_schema(_json_schema_value(value, param), strict)
-    if kind == "choice":
-        return StructuredOutputs.choices(list(value))
-    if kind == "json_object":
-        return StructuredOutputs("json_object")
-    return StructuredOutputs(kind, value)  # type: ignore[arg-type]
-
-
-def _from_response_format(rf: ResponseFormat) -> tuple[StructuredOutputs, str] | None:
-    if rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return StructuredOutputs("json_object"), "response_format"
-    param = "response_format.json_schema"
-    if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise bad_request("`response_format` of type json_schema needs `json_schema.schema`.",
-                          param=param)  # fmt: skip
-    strict = rf.json_schema.strict is not False
-    param = f"{param}.schema"
-    return _structured("json", rf.json_schema.schema_, param, strict), param
 
 
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
@@ -306,37 +213,16 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    # The request models keep these methods (the routes and tests call them); the rules
+    # live in the modules named, which see the models through their fields only.
+
     def structured_output(self) -> tuple[StructuredOutputs, str] | None:
         """The output constraint and the field it came from; 400 when more than one is set."""
-        found = []
-        if self.response_format is not None:
-            found.append(_from_response_format(self.response_format))
-        if self.structured_outputs is not None:
-            found.append(_from_structured_outputs(self.structured_outputs))
-        for kind in ("json", "regex", "choice", "grammar"):
-            value = getattr(self, f"guided_{kind}")
-            if value is not None:
-                found.append((_structured(kind, value, f"guided_{kind}"), f"guided_{kind}"))
-        return at_most_one_constraint([f for f in found if f is not None])
+        return structured_outputs.request_constraint(self)
 
     def check_common(self, vocab_size: int, max_model_len: int) -> None:
-        """Checks SamplingParams.verify does not make: token ids the model can index, and
-        token budgets the context can hold next to a prompt of at least one token."""
-        if self.stream_options is not None and not self.stream:
-            raise bad_request("`stream_options` is only allowed with `stream: true`.",
-                              param="stream_options")  # fmt: skip
-        for token in self.stop_token_ids or []:
-            _check_token_id(token, vocab_size, "stop_token_ids")
-        _parse_logit_bias(self.logit_bias, vocab_size)
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = getattr(self, name, None)
-            if value is not None and not fits_context(1, value, max_model_len):
-                raise bad_request(
-                    f"`{name}` is {value}, but this model's context of {max_model_len} tokens "
-                    f"leaves at most {max_model_len - 1} beside the prompt.",
-                    param=name,
-                    code="context_length_exceeded",
-                )
+        """400 for token ids outside the vocabulary and budgets the context cannot hold."""
+        validation.check_common(self, vocab_size, max_model_len)
 
     def to_sampling_params(
         self,
@@ -347,86 +233,8 @@ class SamplingFields(OpenAIBaseModel):
         structured: StructuredOutputs | None = None,
     ) -> SamplingParams:
         """SamplingParams for choice `choice` of n; ValueError("<field> ...") when invalid."""
-        seed = self.seed
-        if seed is not None and choice:
-            seed += choice  # n > 1 with a seed: distinct but reproducible sequences
-        temperature = _default(self.temperature, 1.0)
-        if 0.0 < temperature < MIN_SAMPLING_TEMPERATURE:
-            temperature = 0.0
-        fields: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": _default(self.top_p, 1.0),
-            "top_k": self.top_k or 0,
-            "min_p": self.min_p or 0.0,
-            "seed": seed,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": _default(self.repetition_penalty, 1.0),
-            "logit_bias": _parse_logit_bias(self.logit_bias, vocab_size),
-            "logprobs": logprobs,
-            "min_tokens": self.min_tokens or 0,
-            "stop": _stop_list(self.stop),
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": bool(self.ignore_eos),
-            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
-            "skip_special_tokens": self.skip_special_tokens is not False,
-            "structured_outputs": structured,
-        }
-        return SamplingParams(**fields)
-
-
-def at_most_one_constraint(
-    found: list[tuple[StructuredOutputs, str]],
-) -> tuple[StructuredOutputs, str] | None:
-    if len(found) > 1:
-        names = " and ".join(f"`{param}`" for _, param in found)
-        raise bad_request(f"Only one output constraint may be given; got {names}.",
-                          param=found[1][1])  # fmt: skip
-    return found[0] if found else None
-
-
-def _default(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _check_token_id(token: int, vocab_size: int, param: str) -> None:
-    if not 0 <= token < vocab_size:
-        raise bad_request(
-            f"token id {token} is outside the vocabulary [0, {vocab_size}).", param=param
-        )
-
-
-def _parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
-    parsed: dict[int, float] = {}
-    for key, value in (bias or {}).items():
-        # Not int(key): it also reads "1_0" as 10, " 7 " as 7 and Arabic-Indic digits.
-        if not TOKEN_ID_KEY.fullmatch(key):
-            raise bad_request(f"logit_bias key {key!r} is not a token id.", "logit_bias")
-        token = int(key)
-        _check_token_id(token, vocab_size, "logit_bias")
-        parsed[token] = value
-    return parsed
-
-
-def check_context_length(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_param: str
-) -> None:
-    total = num_prompt_tokens + max_tokens
-    if not fits_context(num_prompt_tokens, max_tokens, max_model_len):
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {total} tokens ({num_prompt_tokens} in the {prompt_param}, "
-            f"{max_tokens} for the completion). Please reduce the length of the "
-            f"{prompt_param} or of max_tokens.",
-            param=prompt_param,
-            code="context_length_exceeded",
+        return sampling_params.to_sampling_params(
+            self, max_tokens, logprobs, choice, vocab_size, structured
         )
 
 
@@ -460,11 +268,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1)
 
     def check_supported(self) -> None:
-        reject_unsupported(self, UNSUPPORTED_COMPLETION)
-        if self.best_of is not None and self.best_of != self.num_choices:
-            raise bad_request(
-                f"best_of={self.best_of} is not supported; only best_of == n.", param="best_of"
-            )
+        validation.check_completion_supported(self)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts as a list of strings and token-id lists (validation saw to >= 1)."""
@@ -522,8 +326,7 @@ class CompletionResponse(BaseModel):
 # -------------------------------------------------------------------------------- chat
 
 
-_UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
-# Parts are checked by `_text_part` (its 400 names the part); the schema says the same.
+# Parts are checked by chat_rendering (its 400 names the part); the schema says the same.
 TextPart = Annotated[
     dict[str, Any],
     WithJsonSchema({
@@ -556,7 +359,7 @@ class ToolCallParam(OpenAIBaseModel):
 class ChatMessageParam(OpenAIBaseModel):
     model_config = ConfigDict(
         json_schema_extra=_request_schema(
-            _UNSUPPORTED_MESSAGE_FIELDS, (_CONTENT_NULL_ONLY_FOR_ASSISTANT,)
+            UNSUPPORTED_MESSAGE_FIELDS, (_CONTENT_NULL_ONLY_FOR_ASSISTANT,)
         )
     )
 
@@ -634,23 +437,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
 
     def check_supported(self) -> None:
-        reject_unsupported(self, UNSUPPORTED_CHAT)
-        if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("`top_logprobs` requires `logprobs: true`.", param="top_logprobs")
-        self.check_tools()
+        validation.check_chat_supported(self)
 
     def check_tools(self) -> None:
-        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise bad_request("Function names in `tools` must be distinct.", param="tools")
-        if choice == "required" and not names:
-            raise bad_request('`tool_choice` "required" needs `tools`.', param="tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise bad_request(
-                f"`tool_choice` names the function {choice.function.name!r}, which is not in "
-                "`tools`.",
-                param="tool_choice",
-            )
+        validation.check_tools(self)
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
@@ -663,66 +453,16 @@ class ChatCompletionRequest(SamplingFields):
         return self.tool_choice or "auto"
 
     def requested_max_tokens(self) -> int | None:
-        return _default(self.max_completion_tokens, self.max_tokens)
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as plain {role, content} dicts for the chat template."""
-        return [plain_message(i, m) for i, m in enumerate(self.messages)]
-
-
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-          "tool": "tool"}  # fmt: skip
-
-
-def plain_message(i: int, m: ChatMessageParam) -> dict[str, Any]:
-    param = f"messages.{i}"
-    role = _ROLES[m.role]
-    for key in m.unknown_fields():
-        if key in _UNSUPPORTED_MESSAGE_FIELDS and not _is_unset(m.model_extra[key]):
-            raise bad_request(f"`{key}` in messages is not supported.", param=f"{param}.{key}")
-    if m.content is None:
-        if role != "assistant":
-            raise bad_request("content must not be null.", param=f"{param}.content")
-        text = ""
-    elif isinstance(m.content, str):
-        text = m.content
-    else:
-        text = "".join(_text_part(part, f"{param}.content.{j}") for j, part in enumerate(m.content))
-    message: dict[str, Any] = {"role": role, "content": text}
-    if m.name:
-        message["name"] = m.name
-    if m.tool_calls:
-        message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        message["tool_call_id"] = m.tool_call_id
-    return message
-
-
-def _template_tool_call(call: ToolCallParam) -> dict[str, Any]:
-    """A call as chat templates expect it: arguments as an object (Qwen's template writes
-    them with `tojson`, which would quote a JSON string a second time). Arguments that are
-    not a JSON object (a call the model cut short) stay the text they were."""
-    arguments: Any = call.function.arguments
-    try:
-        parsed = json_body.loads(arguments)
-    except ValueError:  # not JSON, or nested past the limit: kept as the text it was
-        parsed = None
-    if isinstance(parsed, dict):
-        arguments = parsed
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.function.name, "arguments": arguments}}  # fmt: skip
-
-
-def _text_part(part: dict[str, Any], param: str) -> str:
-    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-        raise bad_request(
-            f"content part type {part.get('type')!r} is not supported; only text parts.",
-            param=param,
-        )
-    return part["text"]
+        return chat_rendering.conversation(self.messages)
 
 
 class ChatTopLogprob(BaseModel):
@@ -826,8 +566,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
     def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("Give exactly one of `prompt` and `messages`.", param="prompt")
+        validation.check_tokenize_input(self)
 
 
 class TokenizeResponse(BaseModel):

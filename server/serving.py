@@ -42,9 +42,10 @@ from server.errors import (
     queue_timed_out,
     shutting_down,
 )
-from server.protocol import OpenAIBaseModel, SamplingFields, check_context_length
+from server.protocol import OpenAIBaseModel, SamplingFields
 from server.response_store import ResponseStore
 from server.tokens import TokenStrings
+from server.validation import check_context_length
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from server.errors import bad_request
+from server.validation import check_token_ids
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -69,11 +70,10 @@ def encode_prompt(
         ids = list(tokenizer.encode(prompt))
     else:
         ids = list(prompt)
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"prompt token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param
-            )
+        # The engine refuses such ids too (it owns the vocabulary range); this, the server's
+        # one check of a prompt's ids, answers in the OpenAI shape before any prompt of the
+        # request is submitted.
+        check_token_ids(ids, vocab_size, param, what="prompt token id")
     if not ids:
         raise bad_request("prompt must not be empty.", param=param)
     return ids

@@ -26,8 +26,8 @@ from server.protocol import (
     FunctionCall,
     NamedToolChoice,
     ToolCall,
-    at_most_one_constraint,
 )
+from server.structured_outputs import at_most_one_constraint
 from server.tool_parsers import (
     CallArrayStream,
     HermesStream,

@@ -13,8 +13,8 @@ from server.errors import OpenAIError, from_value_error, validation_error
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    check_context_length,
 )
+from server.validation import check_context_length
 
 VOCAB = 1000
 MAX_MODEL_LEN = 512
