@@ -16,7 +16,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import uses_pinned_memory
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingMetadata, make_generator, to_token_logprobs
+from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
 from engine.structured_output import StructuredOutputManager
 from scheduler import SchedulerOutput
 
@@ -52,14 +52,9 @@ class ModelRunner:
         self._host_ids = torch.empty(
             max_num_batched_tokens, dtype=torch.long, pin_memory=uses_pinned_memory(device)
         )
-        # Seeded requests keep one generator for their whole life, so their tokens
-        # do not depend on which other requests share the batch.
-        self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        for request_id in out.finished_ids:
-            self._generators.pop(request_id, None)
         if not out.scheduled:
             return {}
         input_ids, meta = self._prepare_inputs(out)
@@ -94,7 +89,9 @@ class ModelRunner:
     def _sample(self, sampled: list, logits: torch.Tensor) -> dict[str, SampledToken]:
         requests = [s.request for s in sampled]
         params = [r.sampling_params for r in requests]
-        generators = [self._generator_for(r) for r in requests]
+        # A seeded request's own generator (`Request.generator`), kept for its whole life,
+        # so its tokens do not depend on which other requests share the batch.
+        generators = [r.generator for r in requests]
         meta = SamplingMetadata.build(
             params,
             [r.prompt_token_ids for r in requests],
@@ -111,12 +108,3 @@ class ModelRunner:
             r.request_id: SampledToken(tok, lp)
             for r, tok, lp in zip(requests, token_ids, logprobs, strict=True)
         }
-
-    def _generator_for(self, request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.greedy:
-            return None
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = self._generators[request.request_id] = make_generator(seed, self.device)
-        return gen

@@ -1,4 +1,5 @@
-"""What the engine hands back for a request after a step."""
+"""What the engine hands back for a request after a step: the core's token ids, then the
+output processor's text."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked
     new_logprobs: list[TokenLogprob] | None = None  # the ones this step added
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What the engine core reports for a request after a step: token ids, no text (the
+    output processor detokenizes, applies stop strings and accumulates logprobs)."""
+
+    request_id: str
+    new_token_ids: list[int]  # the token sampled this step ([] for a queue timeout)
+    # "stop" | "length" | "abort" | "queue_timeout" once the core finished it, else None
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (its text is left out)
+    new_logprobs: list[TokenLogprob] | None = None  # when the request asked for logprobs
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

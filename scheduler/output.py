@@ -9,7 +9,7 @@ from scheduler.request import Request
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    request: Request
+    request: Request | None  # None on tensor-parallel ranks 1..N-1, which never sample
     request_id: str
     token_ids: list[int]  # the tokens to compute this step (a fresh list)
     num_computed_tokens: int  # tokens already in the KV cache = position of token_ids[0]
@@ -20,6 +20,9 @@ class ScheduledRequest:
     # True when the next token after the last position is wanted this step: a decode,
     # or the chunk that completes the prompt (or a preempted request's recomputation).
     sample: bool
+    # How many of block_ids (the last ones) this step added: the whole table when the
+    # request was admitted this step. Tensor parallelism sends the other ranks only these.
+    num_new_blocks: int = 0
 
 
 @dataclass(slots=True)

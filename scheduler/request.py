@@ -5,8 +5,18 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Collection, Sequence
+from typing import Any, Protocol
 
 from scheduler.sampling_params import SamplingParams
+
+
+class Grammar(Protocol):
+    """Where a constrained request's output stands in its grammar (the engine's matcher,
+    e.g. xgrammar's GrammarMatcher): the scheduler advances it with each sampled token."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +68,8 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "stop_reason",
+        "generator",
+        "grammar",
     )
 
     def __init__(
@@ -104,8 +116,13 @@ class Request:
         # Prompt tokens served from the prefix cache at first admission; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
-        # The token id (or, set by the engine, the stop string) that stopped the request.
-        self.stop_reason: int | str | None = None
+        # The stop token id that stopped the request (FINISHED_STOPPED by eos or stop_token_ids).
+        self.stop_reason: int | None = None
+        # The engine's per-request objects, held here so the request owns all its state and
+        # nothing outlives it: the random generator of a seeded request (its tokens do not
+        # depend on the batch), and the grammar matcher of a constrained one.
+        self.generator: Any = None
+        self.grammar: Grammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -132,7 +132,8 @@ class Scheduler:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """Finish requests from outside (the engine's stop strings, aborts): frees their blocks."""
+        """Finish requests from outside (aborts, among them the output processor's stop
+        strings): frees their blocks."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status}")
         if isinstance(request_ids, str):
@@ -251,6 +252,7 @@ class Scheduler:
                     start,
                     block_table(request_id),
                     end == num_tokens,
+                    len(new_blocks),
                 )
             )
             budget -= num_new
@@ -352,13 +354,15 @@ class Scheduler:
         end = start + num_new
         all_ids = request.all_token_ids
         request.num_computed_tokens = end
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         return ScheduledRequest(
             request,
             request.request_id,
             all_ids[start:end],
             start,
-            self.kv_cache_manager.get_block_ids(request.request_id),
+            block_ids,
             end == len(all_ids),
+            len(block_ids),  # just admitted: its whole table is new
         )
 
     def _preempt(self, request: Request) -> None:
@@ -373,7 +377,9 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token and apply the stop rules.
+        """Append each sampled token and apply the stop rules: eos and stop token ids,
+        max_tokens, max_model_len, and a grammar the token completed. This is the one
+        place a request finishes on its own (from outside: `finish_requests`, aborts).
 
         `sampled` maps request id -> token for every scheduled request with
         `sample=True` (requests finished since schedule(), e.g. aborted, are
@@ -398,6 +404,7 @@ class Scheduler:
             all_ids.append(token)
             updated.append(request)
             params = request.sampling_params
+            status = None
             # Cheap screen first: most tokens trip none of the stop rules.
             if (
                 len(output_ids) >= params.max_tokens
@@ -405,11 +412,13 @@ class Scheduler:
                 or token in request.stop_screen
             ):
                 status = self._check_stop(request, token, max_model_len)
-                if status is not None:
-                    self.kv_cache_manager.free(request)
-                    request.status = status
-                    self._retire(request)
-                    any_finished = True
+            if status is None and request.grammar is not None and _grammar_done(request, token):
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self.kv_cache_manager.free(request)
+                request.status = status
+                self._retire(request)
+                any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return updated
@@ -431,3 +440,12 @@ class Scheduler:
         if num_output >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _grammar_done(request: Request, token: int) -> bool:
+    """Advance the request's grammar; True when its output is complete (or the token broke
+    the grammar, which the mask rules out unless every allowed token was masked by
+    something else, such as min_tokens holding back eos): either way it must stop. The
+    text held back so far is kept, unlike a stop string's (stop_reason stays None)."""
+    grammar = request.grammar
+    return not grammar.accept_token(token) or grammar.is_terminated()

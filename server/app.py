@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI routes plus vLLM's health, metrics and tokenizer routes.
 
-`build_app` wires an `AsyncEngine` (which owns the engine thread) into the
-routes; the app's lifespan starts the engine thread and, at shutdown, stops
-it, aborting whatever is still in flight.
+`build_app` wires an `EngineClient` (server/engine_client.py: the in-process
+`AsyncEngine`, or the replicas' `RemoteEngine`) into the routes; the app's lifespan
+starts it and, at shutdown, stops it, aborting whatever is still in flight.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
-from server.async_engine import AsyncEngine, EngineDeadError
 from server.chat import create_chat_completion
 from server.chat_rendering import plain_message
 from server.completions import create_completion
 from server.dashboard import PAGE_PATH, add_dashboard_routes
+from server.engine_client import EngineClient, EngineDeadError
 from server.errors import (
     AnthropicErrorResponse,
     engine_dead,
@@ -74,7 +74,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics", PAGE_PATH})
 
 
 def build_app(
-    engine_client: AsyncEngine,
+    engine_client: EngineClient,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
@@ -122,7 +122,6 @@ def build_app(
     _add_openai_routes(app, ctx)
     _add_server_routes(app, ctx)
     add_dashboard_routes(app, ctx)
-    _watch_kv_blocks(engine_client)
     # The last added middleware runs first: refuse a bad key before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
@@ -239,15 +238,6 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(model_card().model_dump())
 
 
-def _watch_kv_blocks(engine_client: AsyncEngine) -> None:
-    """/metrics reads the pool's block counts the engine last published (an immutable
-    object it replaces), so they are right before the first step and after idle aborts."""
-    engine = getattr(engine_client, "engine", None)
-    watch = getattr(engine_client.metrics, "watch_kv_blocks", None)
-    if watch is not None and hasattr(getattr(engine, "stats", None), "kv_blocks"):
-        watch(lambda: engine.stats.kv_blocks)
-
-
 def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
@@ -295,7 +285,7 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/reset_prefix_cache", responses=responses(ResetPrefixCacheResponse, 401, 503))
     async def reset_prefix_cache() -> Response:
         try:
-            ok = await ctx.engine.call(lambda engine: engine.reset_prefix_cache())
+            ok = await ctx.engine.call(lambda core: core.reset_prefix_cache())
         except EngineDeadError as exc:
             raise engine_dead(str(exc)) from exc
         return JSONResponse(ResetPrefixCacheResponse(success=bool(ok)).model_dump())

@@ -1,9 +1,14 @@
-"""The bridge between the asyncio event loop and the (not thread-safe) engine.
+"""The in-process `EngineClient`: the engine core on its own thread, the output
+processor on the event loop.
 
-One engine thread is the only caller of `LLMEngine.add_request`, `abort_request`
-and `step`. The event loop talks to it through a thread-safe command queue;
-the thread hands each step's outputs back with `loop.call_soon_threadsafe`, one
-call per step, into the per-HTTP-request `RequestStream` queues.
+One engine thread is the only caller of `EngineCore.add_request`, `abort_requests` and
+`step`: token ids in, token ids out. The event loop talks to it through a thread-safe
+command queue; the thread hands each step's `EngineCoreOutput`s back with
+`loop.call_soon_threadsafe`, one call per step. On the event loop, the
+`OutputProcessor` owns every request's text-side state (detokenizer, stop strings,
+logprobs, and here its `RequestStream` and timeline): it turns the token ids into
+`RequestOutput`s for the streams, and a stop string it finds becomes one abort command
+to the core. So detokenizing runs beside the next forward pass, not inside the step.
 
 The thread blocks on the command queue while the engine has nothing to do (no
 busy loop) and steps back to back while it has. A step that raises fails only the
@@ -34,11 +39,24 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from engine import RequestOutput, SamplingParams, StepError
+from engine import RequestOutput, StepError
+from engine.core import EngineCore
 from engine.memory import release_free_memory
+from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import EngineCoreOutput
+from server.engine_client import (
+    SHUTDOWN_REASON,
+    EngineDeadError,
+    EngineError,
+    EngineRequest,
+    EngineShutdownError,
+    QueueTimeoutError,
+    RequestFailedError,
+    dead_error,
+)
 from server.grammar_compiler import GrammarCompiler
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
 
@@ -50,60 +68,13 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class EngineError(RuntimeError):
-    """The engine could not finish a request."""
-
-
-class RequestFailedError(EngineError):
-    """A step running this request failed; the request was aborted, the engine goes on."""
-
-
-class EngineDeadError(EngineError):
-    """The engine loop is not running (it failed, or the server is shutting down)."""
-
-
-class QueueTimeoutError(EngineError):
-    """The request waited past its queue timeout without being scheduled."""
-
-    def __init__(self, request_id: str, queue_timeout: float) -> None:
-        super().__init__(
-            f"request {request_id} waited {queue_timeout:g} s in the queue without being "
-            "scheduled (queue_timeout)"
-        )
-        self.request_id = request_id
-        self.queue_timeout = queue_timeout
-
-
-class EngineShutdownError(EngineDeadError):
-    """The server is shutting down: in-flight requests were aborted."""
-
-
-SHUTDOWN_REASON = "the server is shutting down"
-
-
-def _dead_error(reason: str) -> EngineDeadError:
-    return (EngineShutdownError if reason == SHUTDOWN_REASON else EngineDeadError)(reason)
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    priority: int = 0
-    queue_timeout: float | None = None
-
-
 # ------------------------------------------------------------------ commands to the thread
 
 
 @dataclass
 class _Add:
     requests: list[EngineRequest]
-    stream: RequestStream
     future: asyncio.Future
-    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -113,7 +84,7 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[Any], Any]
+    fn: Callable[[EngineCore], Any]
     future: asyncio.Future
 
 
@@ -121,8 +92,14 @@ class _Stop:
     pass
 
 
+class _FailureHandled:
+    """The event loop has failed a failed step's requests and aborted their siblings
+    (the other choices of their responses): the engine thread may step again."""
+
+
 class RequestStream:
-    """The outputs of one HTTP request's engine requests (n choices x prompts), in order.
+    """The outputs of one HTTP request's engine requests (n choices x prompts), in order
+    (an `EngineStream`).
 
     Iterate it to get each `RequestOutput` as the engine produces it; iteration
     ends when every request has finished and raises `EngineDeadError` when the
@@ -157,7 +134,16 @@ class RequestStream:
     def abort(self) -> None:
         if self._unfinished:
             ids, self._unfinished = sorted(self._unfinished), set()
-            self._bridge._send_abort(ids)
+            self._bridge._abort_requests(ids)
+
+
+@dataclass(slots=True)
+class _Client:
+    """What the server keeps with a request's output state: where its outputs go, and
+    its timeline for the metrics."""
+
+    stream: RequestStream
+    times: RequestTimes
 
 
 class AsyncEngine:
@@ -165,32 +151,36 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        core: EngineCore,
         metrics: ServerMetrics | None = None,
         log_interval_s: float = 5.0,
     ) -> None:
-        self.engine = engine
+        self.core = core
+        self.tokenizer = core.tokenizer
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        # /metrics reads the pool's block counts the core last published (an immutable
+        # object it replaces), so they are right before the first step and after aborts.
+        self.metrics.watch_kv_blocks(lambda: core.stats.kv_blocks)
         self._stats_logger = StatsLogger(log_interval_s)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _dead/_num_queued against the dying thread
         self._dead: str | None = None
         self._draining = False  # new requests refused, in-flight ones go on
         self._failed_steps = 0  # consecutive (engine thread)
-        self._num_queued = 0  # engine requests submitted, not yet handed to the engine
-        self._num_engine_waiting = 0  # waiting inside the engine (engine thread writes)
+        self._awaiting_failure_handled = False  # (engine thread) see `_FailureHandled`
+        self._num_queued = 0  # engine requests submitted, not yet handed to the core
+        self._num_engine_waiting = 0  # waiting inside the core (engine thread writes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._loop_bound = threading.Event()  # `load`'s thread waits for `start`
-        # Engine-thread state: which stream each live request belongs to, and its timeline.
-        self._streams: dict[str, RequestStream] = {}
-        self._times: dict[str, RequestTimes] = {}
+        # Event-loop state: every submitted, unfinished request's text side and client.
+        self._processor: OutputProcessor[_Client] = OutputProcessor(core.tokenizer)
         # Grammars compile here, never on the engine thread (see `compile_grammar`).
         self._compiler = GrammarCompiler()
 
     @classmethod
-    def load(cls, build: Callable[[], Any], **kwargs: Any) -> AsyncEngine:
-        """An AsyncEngine whose engine ``build()`` made on the engine thread, which then
+    def load(cls, build: Callable[[], EngineCore], **kwargs: Any) -> AsyncEngine:
+        """An AsyncEngine whose core ``build()`` made on the engine thread, which then
         waits for `start` (see the module docstring); ``build``'s exception is raised here."""
         handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
@@ -214,22 +204,16 @@ class AsyncEngine:
     # -- engine facts the server needs ------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.core.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.core.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        hf_config = getattr(self.engine, "hf_config", None)
-        size = getattr(hf_config, "vocab_size", None)
-        return int(size) if size else len(self.engine.tokenizer)
+        return self.core.vocab_size
 
     @property
     def is_alive(self) -> bool:
@@ -251,12 +235,12 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Engine requests submitted and not yet finished (queued here or in the engine)."""
-        return self._num_queued + len(self._streams)
+        """Engine requests submitted and not yet finished for their client."""
+        return len(self._processor)
 
     @property
     def num_waiting(self) -> int:
-        """Engine requests submitted but not yet scheduled (queued here or waiting in the engine)."""
+        """Engine requests submitted but not yet scheduled (queued here or waiting in the core)."""
         return self._num_queued + self._num_engine_waiting
 
     # -- lifecycle (event loop) --------------------------------------------------------
@@ -266,9 +250,9 @@ class AsyncEngine:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        structured = getattr(self.engine, "structured_outputs", None)
-        if structured is not None:  # build the grammar backend before the first request needs it
-            self._compiler.submit(lambda: structured.grammars)
+        structured = self.core.structured_outputs
+        # Build the grammar backend before the first request needs it.
+        self._compiler.submit(lambda: structured.grammars)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -305,20 +289,28 @@ class AsyncEngine:
     # -- requests (event loop) -----------------------------------------------------------
 
     async def submit(self, requests: list[EngineRequest]) -> RequestStream:
-        """Hand requests to the engine; returns once the engine accepted all of them.
+        """Hand requests to the engine; returns once the core accepted all of them.
 
-        Raises ValueError (the engine's, naming the limit) when one can never run,
-        none of them then stays in the engine, and EngineDeadError when the engine
-        is not running.
+        Raises ValueError (the core's, naming the limit) when one can never run, none of
+        them then stays in the engine, and EngineDeadError when the engine is not running.
         """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, [r.request_id for r in requests])
+        ids = [r.request_id for r in requests]
+        stream = RequestStream(self, ids)
         future: asyncio.Future = loop.create_future()
-        self._send(_Add(requests, stream, future), num_requests=len(requests))
+        # Registered before the core can step them: their first outputs find their state.
+        arrival = time.monotonic()
+        for r in requests:
+            client = _Client(stream, RequestTimes(arrival, r.queue_timeout))
+            self._processor.add_request(r.request_id, r.prompt_token_ids, r.params, client)
         try:
+            self._send(_Add(requests, future), num_requests=len(requests))
             await future
         except asyncio.CancelledError:
             stream.abort()  # the client left while we waited: the add may have gone through
+            raise
+        except BaseException:
+            self._processor.remove(ids)  # refused: nothing of them stays
             raise
         return stream
 
@@ -329,12 +321,11 @@ class AsyncEngine:
         thread goes on stepping everyone else. Raises the engine's GrammarError (a ValueError
         with the compiler's message) when the spec cannot be compiled.
         """
-        structured = self.engine.structured_outputs
-        result = await self._compiler.run(structured.compile, spec)
+        result = await self._compiler.run(self.core.structured_outputs.compile, spec)
         self.metrics.on_grammar(result.cache_hit, result.seconds)
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(engine) on the engine thread (e.g. reset_prefix_cache) and return its result."""
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread (e.g. reset_prefix_cache) and return its result."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._send(_Call(fn, future))
         return await future
@@ -342,7 +333,7 @@ class AsyncEngine:
     def _send(self, command: Any, num_requests: int = 0) -> None:
         with self._lock:
             if self._dead is not None:
-                raise _dead_error(self._dead)
+                raise dead_error(self._dead)
             if self._draining and num_requests:
                 raise EngineShutdownError(SHUTDOWN_REASON)
             if self._thread is None:
@@ -350,20 +341,94 @@ class AsyncEngine:
             self._num_queued += num_requests
             self._commands.put(command)
 
-    def _send_abort(self, request_ids: list[str]) -> None:
+    def _abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Finish these requests for their clients now (counted as `reason`) and abort
+        them in the core."""
+        states = self._processor.remove(request_ids)
+        if not states:
+            return
+        now = time.monotonic()
+        for state in states:
+            self.metrics.on_request_done(state.client.times, reason, now)
+        self._abort_in_core([s.request_id for s in states])
+
+    def _abort_in_core(self, request_ids: list[str]) -> None:
         with self._lock:
             if self._dead is None:
                 self._commands.put(_Abort(request_ids))
+
+    # -- outputs (event loop) ------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs: processed into text, delivered one batch per stream."""
+        processed = self._processor.process(outputs)
+        if processed.reqs_to_abort:  # stop strings: finished here, still running there
+            self._abort_in_core(processed.reqs_to_abort)
+        now = time.monotonic()
+        batches: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
+        timed_out: list[RequestState[_Client]] = []
+        for state, out in processed.outputs:
+            if out.finish_reason == "queue_timeout":
+                timed_out.append(state)
+                continue
+            self._track(state.client.times, out, now)
+            stream = state.client.stream
+            batches.setdefault(id(stream), (stream, []))[1].append(out)
+        for stream, batch in batches.values():
+            stream._put(batch)
+        for state in timed_out:  # a whole response fails: its other choices are aborted
+            times = state.client.times
+            self.metrics.on_request_done(times, "queue_timeout", now)
+            error = QueueTimeoutError(state.request_id, times.queue_timeout or 0.0)
+            self._fail_streams([state.client.stream], error)
+
+    def _track(self, times: RequestTimes, out: RequestOutput, now: float) -> None:
+        if times.first_token is None and out.new_token_ids:
+            times.first_token = now
+            self.metrics.on_first_token(times)
+        times.num_tokens += len(out.new_token_ids)
+        if out.finished:
+            self.metrics.on_request_done(times, out.finish_reason or "stop", now)
+
+    def _fail_requests(self, request_ids: list[str], error: EngineError) -> None:
+        """End a failed step's requests (the core aborted them) with `error`, as "error";
+        then let the engine thread step again (`_FailureHandled`)."""
+        states = self._processor.remove(request_ids)
+        now = time.monotonic()
+        for state in states:
+            self.metrics.on_request_done(state.client.times, "error", now)
+        self._fail_streams([s.client.stream for s in states], error)
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(_FailureHandled())
+
+    def _fail_streams(self, streams: list[RequestStream], error: BaseException) -> None:
+        """End these streams with `error`; their other requests (other choices) cannot
+        complete their responses any more, so they are aborted."""
+        unique = {id(s): s for s in streams}
+        for stream in unique.values():
+            self._abort_requests(stream.request_ids)
+            stream._put(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine died: every request in flight ends with `error`."""
+        states = self._processor.remove([s.request_id for s in self._processor.states()])
+        now = time.monotonic()
+        for state in states:
+            self.metrics.on_request_done(state.client.times, "abort", now)
+        for stream in {id(s.client.stream): s.client.stream for s in states}.values():
+            stream._put(error)
 
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         reason = SHUTDOWN_REASON
+        core = self.core
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
+            while self._handle_commands(block=self._idle()):
+                if not self._idle():
                     self._step()
-                    if not self.engine.has_unfinished_requests():
+                    if not core.has_unfinished_requests():
                         release_free_memory()  # once per busy period: engine/memory.py
                 else:
                     self._refresh_idle_gauges()
@@ -376,12 +441,15 @@ class AsyncEngine:
         self._die(reason)
         # From this thread, the one that stepped: tensor-parallel workers wait on its
         # broadcasts, and a broadcast of None stops them.
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:
-                logger.exception("engine shutdown failed")
+        try:
+            core.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+    def _idle(self) -> bool:
+        """Nothing to step: no unfinished request, or a failed step's siblings are still
+        to be aborted (stepping them could fail again, for the same cause)."""
+        return self._awaiting_failure_handled or not self.core.has_unfinished_requests()
 
     def _handle_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one when `block`); False on a stop command."""
@@ -402,10 +470,12 @@ class AsyncEngine:
         if isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
-            self._abort(command.request_ids)
+            self.core.abort_requests(command.request_ids)
+        elif isinstance(command, _FailureHandled):
+            self._awaiting_failure_handled = False
         elif isinstance(command, _Call):
             try:
-                self._resolve(command.future, command.fn(self.engine), None)
+                self._resolve(command.future, command.fn(self.core), None)
             except Exception as exc:
                 self._resolve(command.future, None, exc)
 
@@ -414,7 +484,7 @@ class AsyncEngine:
         error: BaseException | None = None
         try:
             for r in command.requests:
-                self.engine.add_request(
+                self.core.add_request(
                     r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
                     r.priority, r.queue_timeout,
                 )  # fmt: skip
@@ -424,52 +494,23 @@ class AsyncEngine:
                 logger.exception("add_request failed")
             error = exc
             if added:
-                self.engine.abort_request(added)
+                self.core.abort_requests(added)
         with self._lock:
             self._num_queued -= len(command.requests)
         if error is None:
             self._num_engine_waiting += len(added)
-            for r in command.requests:
-                self._streams[r.request_id] = command.stream
-                self._times[r.request_id] = RequestTimes(command.arrival, r.queue_timeout)
         self._resolve(command.future, None, error)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if rid in self._streams]
-        if not live:
-            return
-        self.engine.abort_request(live)
-        now = time.monotonic()
-        for rid in live:
-            del self._streams[rid]
-            self.metrics.on_request_done(self._times.pop(rid), "abort", now)
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.core.step()
         except Exception as exc:
             self._step_failed(exc)
             return
         self._failed_steps = 0
-        now = time.monotonic()
-        by_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
-        timed_out = []
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finish_reason == "queue_timeout":
-                timed_out.append(out.request_id)
-                continue
-            by_stream.setdefault(id(stream), (stream, []))[1].append(out)
-            self._track(out, now)
-        if by_stream:
-            self._post(_deliver, list(by_stream.values()))
-        for rid in timed_out:  # a whole response fails: its other choices are aborted
-            if rid in self._streams:
-                timeout = self._times[rid].queue_timeout or 0.0
-                self._fail_requests([rid], QueueTimeoutError(rid, timeout), "queue_timeout")
-        stats = self.engine.stats
+        if outputs:
+            self._post(self._on_outputs, outputs)
+        stats = self.core.stats
         self._num_engine_waiting = stats.num_waiting
         self.metrics.on_step(stats)
         self._stats_logger.maybe_log(stats)
@@ -482,55 +523,26 @@ class AsyncEngine:
             exc_info=exc,
         )  # fmt: skip
         if isinstance(exc, StepError):
-            ids = exc.request_ids  # the engine aborted them already
+            ids = exc.request_ids  # the core aborted them already
         else:  # failed before it knew its requests: everything in flight is suspect
-            ids = list(self._streams)
-            self.engine.abort_request(ids)
-        self._fail_requests(ids, RequestFailedError(str(exc)))
+            ids = self.core.unfinished_request_ids
+            self.core.abort_requests(ids)
+        self._awaiting_failure_handled = True
+        self._post(self._fail_requests, ids, RequestFailedError(str(exc)))
         if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise _EngineBroken(
                 f"{self._failed_steps} engine steps failed in a row; last: {exc}"
             ) from exc
 
-    def _fail_requests(
-        self, request_ids: list[str], error: EngineError, finish_reason: str = "error"
-    ) -> None:
-        """End these requests' streams with `error`; a stream's other requests (its other
-        choices) cannot complete its response any more, so they are aborted too."""
-        streams = {id(s): s for rid in request_ids if (s := self._streams.get(rid)) is not None}
-        if not streams:
-            return
-        now = time.monotonic()
-        for rid in request_ids:
-            if self._streams.pop(rid, None) is not None:
-                self.metrics.on_request_done(self._times.pop(rid), finish_reason, now)
-        self._abort([rid for stream in streams.values() for rid in stream.request_ids])
-        self._post(_fail_streams, list(streams.values()), error)
-
-    def _track(self, out: RequestOutput, now: float) -> None:
-        times = self._times[out.request_id]
-        if times.first_token is None and out.new_token_ids:
-            times.first_token = now
-            self.metrics.on_first_token(times)
-        times.num_tokens += len(out.new_token_ids)
-        if out.finished:
-            del self._streams[out.request_id]
-            del self._times[out.request_id]
-            self.metrics.on_request_done(times, out.finish_reason or "stop", now)
-
     def _refresh_idle_gauges(self) -> None:
         # Stats are a per-step snapshot; after aborts with nothing left to step, the
         # scheduler and KV manager are the live truth.
-        scheduler = getattr(self.engine, "scheduler", None)
-        kv = getattr(self.engine, "kv_cache_manager", None)
-        waiting = scheduler.num_waiting if scheduler is not None else 0
-        self._num_engine_waiting = waiting
+        scheduler = self.core.scheduler
+        self._num_engine_waiting = scheduler.num_waiting
         self.metrics.set_gauges(
-            scheduler.num_running if scheduler is not None else 0,
-            waiting,
-            kv.usage if kv is not None else 0.0,
+            scheduler.num_running, scheduler.num_waiting, self.core.kv_cache_manager.usage
         )
-        self._stats_logger.on_idle(self.engine.stats)
+        self._stats_logger.on_idle(self.core.stats)
 
     def _die(self, reason: str) -> None:
         """Fail everything in flight and everything queued; refuse all later commands."""
@@ -543,24 +555,17 @@ class AsyncEngine:
                 except queue.Empty:
                     break
             self._num_queued = 0
-        live = list(self._streams)
-        if live:
-            try:
-                self.engine.abort_request(live)
-            except Exception:
-                logger.exception("abort of in-flight requests failed")
-        now = time.monotonic()
-        for rid in live:
-            self.metrics.on_request_done(self._times.pop(rid), "abort", now)
+        try:
+            self.core.abort_requests(self.core.unfinished_request_ids)
+        except Exception:
+            logger.exception("abort of in-flight requests failed")
         with contextlib.suppress(Exception):  # best effort: the engine may be broken
             self._refresh_idle_gauges()
-        error = _dead_error(reason)
-        streams = {id(s): s for s in self._streams.values()}
-        self._streams.clear()
+        error = dead_error(reason)
         for command in pending:
             if isinstance(command, _Add | _Call):
                 self._resolve(command.future, None, error)
-        self._post(_fail_streams, list(streams.values()), error)
+        self._post(self._fail_all, error)
 
     def _resolve(self, future: asyncio.Future, result: Any, error: BaseException | None) -> None:
         self._post(_set_future, future, result, error)
@@ -576,19 +581,6 @@ class AsyncEngine:
 
 class _EngineBroken(RuntimeError):
     """Raised on the engine thread when steps keep failing: the loop stops."""
-
-
-# Callbacks that run on the event loop.
-
-
-def _deliver(batches: list[tuple[RequestStream, list[RequestOutput]]]) -> None:
-    for stream, outputs in batches:
-        stream._put(outputs)
-
-
-def _fail_streams(streams: list[RequestStream], error: BaseException) -> None:
-    for stream in streams:
-        stream._put(error)
 
 
 def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

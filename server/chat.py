@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
-from server.async_engine import RequestStream
+from server.engine_client import EngineStream
 from server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -162,7 +162,7 @@ class _ChatView:
             usage=usage,
         ).model_dump_json()
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         for index in range(self.n):
             role = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
             yield self._chunk([role])

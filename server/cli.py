@@ -286,7 +286,7 @@ def pin_prefixes(engine: Any, system_prompts: list[str], prefixes: list[str]) ->
         except OSError as exc:
             raise ValueError(f"cannot read the prefix to pin from {value[1:]}: {exc}") from exc
 
-    tokenizer, vocab = engine.tokenizer, engine.hf_config.vocab_size
+    tokenizer, vocab = engine.tokenizer, engine.vocab_size
     try:
         ids = [
             encode_chat(tokenizer, apply_chat_template(
@@ -313,19 +313,21 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from engine import LLMEngine
+    from engine.core import EngineCore
 
     def load_on_the_engine_thread(config: Any) -> AsyncEngine:
         # One thread for all torch work: one OpenMP team (server/async_engine.py says why).
         return AsyncEngine.load(
-            lambda: pin_prefixes(LLMEngine(config), args.pin_system_prompt, args.pin_prefix),
+            lambda: pin_prefixes(
+                EngineCore.from_config(config), args.pin_system_prompt, args.pin_prefix
+            ),
             log_interval_s=args.stats_interval,
         )
 
     client = _load_engine(args, load_on_the_engine_thread)
     if client is None:
         return 2
-    engine = client.engine
+    engine = client.core
     app = build_app(
         client,
         served_model_name=args.served_model_name,
@@ -371,14 +373,15 @@ def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     )
 
 
-def startup_banner(engine: Any, served_name: str, host: str, port: int) -> str:
-    dtype = str(engine.dtype).removeprefix("torch.")
+def startup_banner(core: Any, served_name: str, host: str, port: int) -> str:
+    config = core.config  # resolved
+    dtype = str(config.dtype).removeprefix("torch.")
     url = f"http://{host}:{port}"
     return (
-        f"pagedserve: model {served_name} ({engine.config.model or 'default'}), dtype {dtype}, "
-        f"device {engine.device}, {engine.num_blocks} KV blocks of {engine.config.block_size} "
-        f"tokens, max_model_len {engine.max_model_len}\n"
-        f"pagedserve: {engine.compute_summary}\n"
+        f"pagedserve: model {served_name} ({config.engine.model or 'default'}), dtype {dtype}, "
+        f"device {config.device}, {config.num_blocks} KV blocks of {config.engine.block_size} "
+        f"tokens, max_model_len {config.max_model_len}\n"
+        f"pagedserve: {core.compute_summary}\n"
         f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C or SIGTERM drains and stops)"
     )
 

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
-from server.async_engine import RequestStream
+from server.engine_client import EngineStream
 from server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -154,7 +154,7 @@ class _CompletionView:
         prompt_tokens = sum(len(ids) for ids in self.prompt_ids)
         return make_usage(prompt_tokens, completion_tokens, cached)
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         offsets: dict[int, int] = defaultdict(int)
         pending: dict[int, list[TokenLogprob]] = defaultdict(list)  # held back with the text
         started: set[int] = set()

@@ -22,17 +22,20 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from kv_cache import PoolSnapshot
-from server.async_engine import EngineDeadError
+from server.engine_client import EngineDeadError
 from server.errors import SERVER_ERROR, OpenAIError, bad_request, engine_dead
 from server.openapi import responses
 from server.serving import ServingContext
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 PAGE_PATH = "/dashboard"
 STATE_PATH = "/dashboard/state"
@@ -97,12 +100,9 @@ class _Taken:
     taken_at: float
 
 
-def _take(engine: Any) -> _Taken | None:
-    """On the engine thread, between steps. None for an engine without a local pool."""
-    kv = getattr(engine, "kv_cache_manager", None)
-    scheduler = getattr(engine, "scheduler", None)
-    if kv is None or scheduler is None:
-        return None
+def _take(core: EngineCore) -> _Taken:
+    """On the engine thread, between steps (`EngineClient.call`)."""
+    kv, scheduler = core.kv_cache_manager, core.scheduler
     return _Taken(
         snapshot=kv.snapshot(MAX_PREFIXES),
         block_size=kv.block_size,

@@ -28,8 +28,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import RequestOutput
-from server.async_engine import RequestStream
 from server.chat import chat_prompt_ids, serve_chat
+from server.engine_client import EngineStream
 from server.errors import bad_request
 from server.protocol import (
     MAX_TOP_K,
@@ -339,7 +339,7 @@ class _MessagesView:
             stop_sequence=out.stop_string, usage=_usage(self.num_prompt, out),
         )  # fmt: skip
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         reader = ToolCallReader(self.chat)
         blocks = _Blocks()
         started = False

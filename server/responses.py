@@ -30,8 +30,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 
 from engine import RequestOutput
-from server.async_engine import RequestStream
 from server.chat import serve_chat
+from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
 from server.protocol import (
     ChatCompletionRequest,
@@ -383,7 +383,7 @@ class _ResponsesView:
         self.sequence += 1
         return named_event(kind, {"type": kind, "sequence_number": self.sequence - 1, **fields})
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[str]:
+    async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         started = self._response("in_progress", []).model_dump()
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)

@@ -22,14 +22,14 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from engine import RequestOutput, SamplingParams, StructuredOutputs
-from server.async_engine import (
-    AsyncEngine,
+from server.engine_client import (
+    EngineClient,
     EngineDeadError,
     EngineError,
     EngineRequest,
     EngineShutdownError,
+    EngineStream,
     QueueTimeoutError,
-    RequestStream,
 )
 from server.errors import (
     OpenAIError,
@@ -57,7 +57,7 @@ DEFAULT_MAX_SEQS_PER_REQUEST = 256
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     served_model_name: str
     max_waiting_requests: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
@@ -82,7 +82,7 @@ class ResponseView(Protocol):
 
     def response(self, finals: dict[str, RequestOutput]) -> BaseModel: ...
 
-    def chunks(self, stream: RequestStream) -> AsyncIterator[str]: ...
+    def chunks(self, stream: EngineStream) -> AsyncIterator[str]: ...
 
 
 def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
@@ -139,7 +139,7 @@ async def respond(
     return Response(view.response(finals).model_dump_json(), media_type="application/json")
 
 
-async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> RequestStream:
+async def submit(ctx: ServingContext, requests: list[EngineRequest]) -> EngineStream:
     """Admission control, then hand the requests to the engine; errors in the OpenAI shape."""
     limit = ctx.max_waiting_requests
     if limit is not None and ctx.engine.num_waiting >= limit:
@@ -162,7 +162,7 @@ def in_flight_error(exc: EngineError) -> OpenAIError:
     return shutting_down() if isinstance(exc, EngineShutdownError) else engine_failed(str(exc))
 
 
-async def _final_outputs(stream: RequestStream) -> dict[str, RequestOutput]:
+async def _final_outputs(stream: EngineStream) -> dict[str, RequestOutput]:
     final: dict[str, RequestOutput] = {}
     async for out in stream:
         final[out.request_id] = out
@@ -177,7 +177,7 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def collect_final(stream: RequestStream, raw_request: Request) -> dict[str, RequestOutput]:
+async def collect_final(stream: EngineStream, raw_request: Request) -> dict[str, RequestOutput]:
     """Every request's final output; aborts them all if the client disconnects first."""
     collector = asyncio.ensure_future(_final_outputs(stream))
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
@@ -225,7 +225,7 @@ OPENAI_STREAM = StreamFormat(sse, OpenAIError.sse_event, SSE_DONE)  # data: {...
 
 
 async def sse_events(
-    stream: RequestStream, chunks: AsyncIterator[str], fmt: StreamFormat = OPENAI_STREAM
+    stream: EngineStream, chunks: AsyncIterator[str], fmt: StreamFormat = OPENAI_STREAM
 ) -> AsyncIterator[str]:
     """The view's chunks as `fmt` frames them, an error event if the engine fails, then
     `fmt.done`.

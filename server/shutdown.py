@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from server.async_engine import AsyncEngine
+from server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 8.0
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: EngineClient, drain_timeout_s: float
+    ) -> None:
         super().__init__(config)
         self._engine = engine
         self._drain_timeout_s = drain_timeout_s

@@ -89,6 +89,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "safetensors reads each weight into host memory; load_weights copies it into the "
         "parameter on the configured device (dest.copy_), so loading is the same on both"
     ),
+    ("engine/distributed.py", "distributed_backend", 'device string "cuda"'): (
+        "the collective library follows the device type (NCCL between CUDA devices, gloo on "
+        "the CPU): a choice of backend, not a placement"
+    ),
     ("engine/attention/decode_plan.py", "_decode_groups", 'device string "cpu"'): (
         "a tuning choice, not placement: on CPU decode queries are gathered in groups to bound "
         "the padded key gather; both branches run correctly on either device"

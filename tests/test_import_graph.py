@@ -44,15 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "scheduler", "kv_cache", "server", "bench")
 ACYCLIC_PACKAGES = ("engine", "bench")
 
-# Cycles that exist today and are being removed by work on their files, each as the set of
-# its modules: the cycle test lets them pass, and `test_a_known_cycle_is_still_there` fails
-# once one is gone, so that its entry goes with it. Nothing else is excused.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # llm_engine starts the tensor-parallel workers (tp_worker), which build their model
-    # with llm_engine's build_model.
-    frozenset({"engine.llm_engine", "engine.tp_worker"}),
-)
-
 
 def module_files() -> dict[str, Path]:
     """Every module of PACKAGES by dotted name (a package by its `__init__.py`)."""
@@ -212,18 +203,7 @@ def _shown(cycle: tuple[str, ...]) -> str:
 @pytest.mark.parametrize("package", ACYCLIC_PACKAGES)
 def test_no_import_cycle_within(package: str) -> None:
     cycles = simple_cycles(_within(package))
-    unknown = [c for c in cycles if frozenset(c) not in KNOWN_CYCLES]
-    assert not unknown, f"import cycles within {package}/:\n" + "\n".join(map(_shown, unknown))
-
-
-@pytest.mark.parametrize("known", KNOWN_CYCLES, ids=lambda c: "<->".join(sorted(c)))
-def test_a_known_cycle_is_still_there(known: frozenset[str]) -> None:
-    """KNOWN_CYCLES lists only cycles that exist: one that is gone must leave the list."""
-    package = min(known).split(".")[0]
-    cycles = {frozenset(c) for c in simple_cycles(_within(package))}
-    assert known in cycles, (
-        f"the cycle through {', '.join(sorted(known))} is gone: remove it from KNOWN_CYCLES"
-    )
+    assert not cycles, f"import cycles within {package}/:\n" + "\n".join(map(_shown, cycles))
 
 
 def test_the_cycle_search_finds_cycles() -> None:

@@ -1,11 +1,12 @@
 """The engine's structured outputs: compiled grammars, and one matcher per constrained request.
 
-A matcher tracks where its request's output stands in the grammar. Each step it fills
-its row of the step's bitmask (which tokens may come next) and, once the token is
-sampled, accepts it. The matcher lives as long as its request and only ever moves
-forward with accepted tokens, so preemption (the request's KV recomputed from its
-tokens) and prefix-cache hits leave it right: the tokens it has accepted are exactly
-the request's output tokens, which neither changes.
+A matcher tracks where its request's output stands in the grammar; the request holds it
+(`Request.grammar`). Each step it fills its row of the step's bitmask (which tokens may
+come next) and, once the token is sampled, the scheduler has it accept the token. The
+matcher lives as long as its request and only ever moves forward with accepted tokens,
+so preemption (the request's KV recomputed from its tokens) and prefix-cache hits leave
+it right: the tokens it has accepted are exactly the request's output tokens, which
+neither changes.
 
 xgrammar is imported on first use, so engines that never see a grammar never load it.
 """
@@ -32,7 +33,6 @@ class StructuredOutputManager:
         self._eos_token_ids = sorted(eos_token_ids)
         self._cache: GrammarCache | None = None
         self._cache_lock = threading.Lock()
-        self._matchers: dict[str, Any] = {}  # request id -> xgr.GrammarMatcher (engine thread)
         self._bitmask: torch.Tensor | None = None  # host buffer, grown to the largest batch
 
     @property
@@ -51,46 +51,29 @@ class StructuredOutputManager:
 
     # -- the engine thread ------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def new_matcher(self, request: Request) -> Any | None:
+        """The matcher of a constrained request (None otherwise), which the request holds
+        for its life (`Request.grammar`). Compiles unless the grammar is cached."""
         spec = request.sampling_params.structured_outputs
         if spec is None:
-            return
+            return None
         import xgrammar as xgr
 
         grammar = self.compile(spec).grammar  # a cache hit when the server compiled it first
         stop = sorted(request.eos_token_ids) or None
-        self._matchers[request.request_id] = xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
-
-    def remove(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
-
-    @property
-    def num_constrained(self) -> int:
-        return len(self._matchers)
+        return xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
 
     def bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
         """The mask of a step's sampled rows (requests in row order); None if none is constrained."""
-        if not self._matchers:
-            return None
-        matchers = self._matchers
-        rows = [i for i, r in enumerate(requests) if r.request_id in matchers]
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
         from engine.structured_output.bitmask import GrammarBitmask
 
         buffer = self._buffer(len(requests))
         for i in rows:
-            matchers[requests[i].request_id].fill_next_token_bitmask(buffer, i)
+            requests[i].grammar.fill_next_token_bitmask(buffer, i)
         return GrammarBitmask(buffer[: len(requests)], rows)
-
-    def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance the request's matcher; True when its output is complete (or the token broke
-        the grammar, which the mask rules out unless every allowed token was masked by
-        something else, such as min_tokens holding back eos): either way it must stop."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
-            return False
-        return not matcher.accept_token(token_id) or matcher.is_terminated()
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:

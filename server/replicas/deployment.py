@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from server.async_engine import EngineRequest
+from server.engine_client import EngineRequest
 from server.replicas.kv_events import KVEventLog
 from server.replicas.prefix_router import DEFAULT_MAX_LOAD_GAP, DefaultRouter, PrefixAwareRouter
 
@@ -38,24 +38,25 @@ class EngineReplica:
     """One engine (the single server's `AsyncEngine` bridge) and its KV event log."""
 
     async def __init__(self, engine_kwargs: dict[str, Any]) -> None:
-        from engine import EngineConfig, LLMEngine
+        from engine import EngineConfig
+        from engine.core import EngineCore
         from server.async_engine import AsyncEngine
 
         self.kv_events = KVEventLog()
         # SHA-256 block hashes: the router hashes prompts in another process.
         config = EngineConfig(**{**engine_kwargs, "prefix_cache_hash": "sha256"})
-        self.client = AsyncEngine.load(lambda: LLMEngine(config, kv_event_listener=self.kv_events))
+        self.client = AsyncEngine.load(lambda: EngineCore.from_config(config, self.kv_events))
         await self.client.start()
-        self.engine = self.client.engine
+        self.core = self.client.core
 
     async def describe(self) -> dict[str, Any]:
-        engine = self.engine
+        core = self.core
         return {
-            "model_name": engine.model_name,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": self.client.vocab_size,
-            "eos_token_ids": sorted(engine.eos_token_ids),
-            "block_size": engine.config.block_size,
+            "model_name": core.model_name,
+            "max_model_len": core.max_model_len,
+            "vocab_size": core.vocab_size,
+            "eos_token_ids": sorted(core.eos_token_ids),
+            "block_size": core.config.engine.block_size,
         }
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[list[Any]]:

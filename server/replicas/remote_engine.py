@@ -1,11 +1,11 @@
 """The ingress's engine client: what `server.app` needs of an engine, over Ray Serve.
 
 The HTTP app is the single server's, unchanged: it validates, tokenizes and renders; this
-class only replaces the local `AsyncEngine`. `submit` sends one HTTP request's engine
-requests (its n choices) to one replica through the deployment handle, as a streaming
-call, so the router sees their prompt; the replica answers first with an empty batch
-once its engine accepted them (or raises the engine's ValueError: a 400), then streams
-outputs. `abort()` cancels the call; the replica's generator then aborts its requests
+class is its `EngineClient` (server/engine_client.py) in place of the local
+`AsyncEngine`. `submit` sends one HTTP request's engine requests (its n choices) to one
+replica through the deployment handle, as a streaming call, so the router sees their
+prompt; the replica answers first with an empty batch once its engine accepted them (or
+raises the engine's ValueError: a 400), then streams outputs. `abort()` cancels the call; the replica's generator then aborts its requests
 and frees their blocks, exactly as a disconnect does on one server.
 
 A replica that dies mid-request fails that request (500 `engine_error`, or an error
@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from engine import RequestOutput
 from engine.structured_output import StructuredOutputManager
-from server.async_engine import (
+from server.engine_client import (
     EngineDeadError,
     EngineError,
     EngineRequest,
@@ -35,7 +35,7 @@ from server.replicas.metrics import ReplicaMetrics
 
 
 class RemoteStream:
-    """One HTTP request's outputs from its replica; the interface of `RequestStream`."""
+    """One HTTP request's outputs from its replica (an `EngineStream`)."""
 
     def __init__(self, response: Any, request_ids: list[str], on_done: Callable[[], None]):
         self._response = response
@@ -76,7 +76,7 @@ class RemoteStream:
 
 
 class RemoteEngine:
-    """`AsyncEngine`'s interface for the app, over engine replicas (`facts`: a replica's
+    """The app's `EngineClient` over engine replicas (`facts`: a replica's
     `describe()`; `tokenizer`: the same model's, loaded in the ingress)."""
 
     def __init__(self, handle: Any, tokenizer: Any, facts: dict[str, Any]) -> None:

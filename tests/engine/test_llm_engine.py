@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.llm_engine as llm_engine_module
+import engine.core as engine_core_module
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepError
 from engine.config import GpuMemory
 from engine.kernels import cpu_kernels_supported
@@ -139,7 +139,7 @@ def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
     """The CUDA sizing path, run on this device: a profiling pass, then fake GPU figures."""
     monkeypatch.setattr(EngineConfig, "profiles_memory", lambda self, device: True)
     monkeypatch.setattr(
-        llm_engine_module,
+        engine_core_module,
         "measure_gpu_memory",
         lambda device: GpuMemory(total=10 * 2**30, peak_used=2 * 2**30),
     )

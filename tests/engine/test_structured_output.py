@@ -7,9 +7,11 @@ so a completed output is reached well within max_tokens and `finish_reason` is "
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
+import weakref
 
 import jsonschema
 import pytest
@@ -165,7 +167,7 @@ def test_mixed_batch_under_preemption_keeps_grammars_and_reference_tokens():
     for out in outputs[4:]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), MEASUREMENTS)
-    assert small.engine.structured_outputs.num_constrained == 0  # every matcher released
+    assert not small.engine.scheduler.requests  # every request, with its matcher, released
     kv = small.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -174,10 +176,13 @@ def test_abort_releases_the_matcher(llm):
     engine = llm.engine
     spec = StructuredOutputs.json_schema(PERSON)
     engine.add_request("aborted", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
-    assert engine.structured_outputs.num_constrained == 1
+    # The request holds its matcher (Request.grammar); nothing else may keep it alive.
+    matcher = weakref.ref(engine.scheduler.requests["aborted"].grammar)
+    assert matcher() is not None
     engine.step()
     engine.abort_request(["aborted"])
-    assert engine.structured_outputs.num_constrained == 0
+    gc.collect()
+    assert matcher() is None
 
 
 def test_an_uncompilable_spec_is_refused_before_the_request_is_queued(llm):

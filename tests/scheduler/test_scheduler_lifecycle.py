@@ -7,6 +7,7 @@ from scheduler import Request, RequestStatus, SamplingParams, Scheduler, Schedul
 from .scheduler_harness import (
     Harness,
     assert_outputs_match_reference,
+    fake_next_token,
     make_config,
     prompt,
     reference_generate,
@@ -240,3 +241,51 @@ def test_a_request_that_fits_only_in_pinned_blocks_is_refused_naming_them():
     h.add("fits", prompt(3, 16), max_tokens=1)  # 4 blocks
     h.run()
     assert_outputs_match_reference(h)
+
+
+class CountingGrammar:
+    """A grammar complete after `length` tokens that accepts every token but `banned`."""
+
+    def __init__(self, length: int, banned: int = -1) -> None:
+        self.length, self.banned, self.accepted = length, banned, []
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id == self.banned:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+def test_the_scheduler_finishes_a_request_whose_grammar_completed():
+    h = Harness(make_config())
+    request = h.add("g", prompt(30, 9), max_tokens=20)
+    request.grammar = CountingGrammar(length=3)
+    h.run()
+    assert request.finish_reason == "stop" and request.stop_reason is None
+    assert request.grammar.accepted == request.output_token_ids  # every token, in order
+    assert request.num_output_tokens == 3
+
+
+def test_a_token_the_grammar_rejects_stops_the_request():
+    h = Harness(make_config())
+    first = fake_next_token(prompt(31, 9))
+    request = h.add("g", prompt(31, 9), max_tokens=20)
+    request.grammar = CountingGrammar(length=10, banned=first)
+    h.run()
+    assert request.finish_reason == "stop" and request.output_token_ids == [first]
+
+
+def test_a_stop_token_or_length_wins_over_the_grammar():
+    h = Harness(make_config())
+    first = fake_next_token(prompt(32, 9))
+    eos = fake_next_token([*prompt(32, 9), first])
+    stopped = h.add("eos", prompt(32, 9), eos_token_ids={eos}, max_tokens=20)
+    stopped.grammar = CountingGrammar(length=2)
+    long = h.add("len", prompt(33, 9), max_tokens=2)
+    long.grammar = CountingGrammar(length=2)
+    h.run()
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == eos  # the token's text goes
+    assert long.finish_reason == "length"

@@ -77,14 +77,14 @@ def chromium() -> str:
 @contextlib.contextmanager
 def freezable_server(tiny_model_dir) -> Iterator[tuple[RunningServer, threading.Event]]:
     engine = make_engine(tiny_model_dir, num_blocks=NUM_BLOCKS)
-    real_step = engine.step
+    real_step = engine.core.step
     frozen = threading.Event()
 
     def step():
         time.sleep(STEP_DELAY_S)
         return [] if frozen.is_set() else real_step()
 
-    engine.step = step
+    engine.core.step = step
     with running_server(engine, api_key=API_KEY) as server:
         yield server, frozen
 

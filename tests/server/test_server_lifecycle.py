@@ -287,14 +287,14 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(
 
 def test_an_engine_that_keeps_failing_is_declared_dead(tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir, num_blocks=128)
-    real_step, broken = engine.step, threading.Event()
+    real_step, broken = engine.core.step, threading.Event()
 
     def step():
         if broken.is_set():
             raise RuntimeError("injected step failure")
         return real_step()
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine.core, "step", step)
     with running_server(engine) as server, ThreadPoolExecutor(1) as pool:
         http = server.http()
         assert http.get("/health").status_code == 200
@@ -333,19 +333,19 @@ def test_load_builds_the_engine_on_the_thread_that_steps_it(tiny_model_dir):
 
     def build():
         threads["built"] = threading.current_thread()
-        engine = make_engine(tiny_model_dir)
-        step = engine.step
+        core = make_engine(tiny_model_dir).core
+        step = core.step
 
         def recording_step():
             threads["stepped"] = threading.current_thread()
             return step()
 
-        engine.step = recording_step
-        return engine
+        core.step = recording_step
+        return core
 
     client = AsyncEngine.load(build, log_interval_s=1.0)
     assert threads["built"] is not threading.current_thread()
-    with running_server(client.engine, client) as s:
+    with running_server(client.core, client) as s:
         completion = s.openai().completions.create(
             model=MODEL_NAME, prompt=random_ids(501, 8), max_tokens=4, temperature=0
         )

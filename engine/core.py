@@ -1,0 +1,329 @@
+"""The engine core: scheduler, model runner and grammars; token ids in, token ids out.
+
+One `EngineCore` owns the model, the paged KV cache, the scheduler (with its KV cache
+manager) and the tensor-parallel workers. Everything it keeps for a request lives on
+that request's `scheduler.Request` (its tokens, its blocks through the KV manager, its
+random generator, its grammar matcher), so a request that ends, however it ends, leaves
+nothing behind. The scheduler alone decides that a request finished on its own (eos and
+stop token ids, length, a completed grammar); from outside, `abort_requests` ends one
+(the output processor's stop strings arrive that way).
+
+A step: `schedule()`, move the KV tier's blocks, (broadcast the step's diff to the
+other ranks), run the model and sample, `update_from_output()`, report. Not
+thread-safe: one thread calls `add_request`, `abort_requests` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.config import (
+    EngineConfig,
+    GpuMemory,
+    measure_gpu_memory,
+    reset_peak_memory_stats,
+    synchronize,
+)
+from engine.distributed import TensorParallel, broadcast_object
+from engine.errors import StepError
+from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
+from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineCoreOutput
+from engine.resolved_config import ResolvedConfig
+from engine.sampling_metadata import make_generator
+from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager
+from engine.tp_worker import start_workers, stop_workers, worker_step
+from scheduler import Request, SamplingParams, Scheduler, SchedulerOutput, fits_context
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self, config: ResolvedConfig, kv_event_listener: Callable[[Any], None] | None = None
+    ) -> None:
+        """`kv_event_listener` hears the prefix cache's block events (`kv_cache`'s
+        BlockStored / BlockRemoved / AllBlocksCleared), on the thread that steps."""
+        start = time.perf_counter()
+        engine = config.engine
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.model_name = engine.served_name(config.model_dir)
+        self.eos_token_ids = load_generation_eos(config.model_dir, self.tokenizer)
+        torch.manual_seed(engine.seed)
+
+        tp_size = engine.tensor_parallel_size
+        self.model = model = load_model(config, TensorParallel(0, tp_size) if tp_size > 1 else None)
+        self.config = config = config.with_num_blocks(self._num_kv_blocks(config))
+        # Ranks 1..N-1 (engine/tp_worker.py): started once the cache size they share is known.
+        self._tp_workers = start_workers(config) if tp_size > 1 else []
+        kv_caches = allocate_kv_cache(
+            config.num_layers, config.num_blocks, engine.block_size, model.num_kv_heads,
+            model.head_dim, config.dtype, config.device, engine.kv_cache_quantized,
+        )  # fmt: skip
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, config.vocab_size, self.eos_token_ids
+        )
+        self.runner = ModelRunner(
+            model, kv_caches, engine.block_size, config.device, engine.max_num_batched_tokens,
+            self.structured_outputs,
+        )  # fmt: skip
+        tier = self._open_tier(kv_caches) if engine.kv_offload_bytes else None
+        self.scheduler = Scheduler(
+            config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier
+        )
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
+        # kv_blocks is published whenever the pool changes (steps, aborts, a cache reset), so
+        # /metrics can read the latest from another thread (server/metrics.py).
+        self.stats = EngineStats(kv_blocks=self.kv_cache_manager.block_counts())
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "loaded %s (%s, %s, %s; %s) in %.1fs; %s",
+            self.model_name, config.hf_config.model_type, config.dtype, config.device,
+            self.compute_summary, self.load_seconds, engine.describe_kv_cache(config.num_blocks),
+        )  # fmt: skip
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, kv_event_listener: Callable[[Any], None] | None = None
+    ) -> EngineCore:
+        return cls(ResolvedConfig.resolve(config), kv_event_listener)
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def compute_summary(self) -> str:
+        """How the model computes here: attention backend, CPU kernels, quantization."""
+        parts = [f"attention {self.model.attn_backend.name}"]
+        if self.model.fused_ops is not None:  # bf16 (AVX512-BF16) or float32 on GGUF blocks
+            gemm = "skinny GEMM, " if self.model.dtype == torch.bfloat16 else ""
+            stack = ", decode stack" if self.model.decode_stack is not None else ""
+            parts.append(f"CPU kernels ({gemm}fused ops{stack})")
+        if self.config.quantization.layers == "gguf":
+            parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
+        parts.append(f"weights: {self.model.weight_formats()}")
+        return ", ".join(parts)
+
+    # -- sizing the KV cache ---------------------------------------------------------------
+
+    def _num_kv_blocks(self, config: ResolvedConfig) -> int:
+        # Profiling runs a forward pass, which under tensor parallelism needs every rank.
+        profiles = config.engine.profiles_memory(config.device) and self.model.tp is None
+        gpu_memory = self._profile_memory(config) if profiles else None
+        return config.engine.kv_cache_num_blocks(
+            config.num_layers, self.model.num_kv_heads, self.model.head_dim,
+            config.dtype.itemsize, device=config.device, gpu_memory=gpu_memory,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _profile_memory(self, config: ResolvedConfig) -> GpuMemory:
+        """Peak memory of the largest step (a full token budget over max_num_seqs requests),
+        so the KV cache gets what is left of the device's share and no step runs out."""
+        cfg, bs, device = config.engine, config.engine.block_size, config.device
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        per_seq = cfg.max_num_batched_tokens // num_seqs
+        query_lens = [per_seq] * num_seqs
+        blocks_per_seq = -(-per_seq // bs)
+        tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        scratch = allocate_kv_cache(
+            config.num_layers, num_seqs * blocks_per_seq, bs, self.model.num_kv_heads,
+            self.model.head_dim, config.dtype, device, cfg.kv_cache_quantized,
+        )  # fmt: skip
+        reset_peak_memory_stats(device)
+        meta = AttentionMetadata.build(query_lens, query_lens, tables, bs, device)
+        self.model.attn_backend.prepare(meta)
+        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
+        hidden = self.model(ids, meta.positions, scratch, meta)
+        last = torch.tensor(meta.query_start_loc_list[1:], device=device) - 1
+        torch.softmax(self.model.compute_logits(hidden[last]), dim=-1).sort(dim=-1)
+        synchronize(device)
+        scratch_bytes = sum(k.nbytes + v.nbytes for k, v in scratch)
+        del scratch, hidden
+        memory = measure_gpu_memory(device)
+        return GpuMemory(memory.total, memory.peak_used - scratch_bytes)
+
+    def _open_tier(self, kv_caches):
+        engine = self.config.engine
+        if self.model.tp is not None:
+            raise ValueError("the KV tier (kv_offload_bytes) runs in one process, not under "
+                             "tensor parallelism")  # fmt: skip
+        if not engine.enable_prefix_caching:
+            raise ValueError("the KV tier (kv_offload_bytes) needs prefix caching")
+        cache_dir = Path(engine.cache_dir) if engine.cache_dir else default_cache_dir()
+        return open_tier(cache_dir, engine.kv_offload_bytes, kv_caches, self.config.model_dir,
+                         engine.block_size)  # fmt: skip
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        queue_timeout: float | None = None,
+    ) -> None:
+        """Queue a request; ValueError (naming the limit) when it can never run.
+
+        `priority`: lower is admitted (and kept from preemption) first. `queue_timeout`:
+        seconds it may wait before its first step; past them it finishes unscheduled
+        with finish_reason "queue_timeout".
+
+        A request with structured outputs compiles its grammar here unless it is cached:
+        the server compiles it beforehand on another thread, so the step never waits.
+        """
+        self._check_prompt(prompt_token_ids, params)
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt, priority=priority, queue_timeout=queue_timeout,
+        )  # fmt: skip
+        request.grammar = self.structured_outputs.new_matcher(request)  # GrammarError first
+        if params.seed is not None and not params.greedy:
+            request.generator = make_generator(params.seed, self.config.device)
+        self.scheduler.add_request(request)
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The token prompt's own limits (the engine owns them: the vocabulary, the context)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if not fits_context(len(prompt_token_ids), params.max_tokens, self.max_model_len):
+            total = len(prompt_token_ids) + params.max_tokens
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total}, more than max_model_len ({self.max_model_len})"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort in any state (unknown ids are ignored); the blocks are freed at once."""
+        self.scheduler.abort_requests(request_ids)
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def pin_prefix(self, token_ids: list[int]) -> int:
+        """Compute a prefix's KV (a request for one token) and pin its full blocks resident
+        (`KVCacheManager.pin`): a system prompt that requests share stays cached however
+        much else passes through the pool. Returns the tokens pinned (whole blocks)."""
+        request_id = f"pin-{self.kv_cache_manager.num_pinned_blocks}-{len(token_ids)}"
+        self.add_request(request_id, list(token_ids), SamplingParams(max_tokens=1))
+        while request_id in self.scheduler.requests:
+            self.step()
+        pinned = self.kv_cache_manager.pin(list(token_ids))
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
+        return pinned
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self.stats.kv_blocks = self.kv_cache_manager.block_counts()
+        return done
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers; save the pool's cached blocks to the KV tier
+        (so a restart finds them) and close it."""
+        workers, self._tp_workers = self._tp_workers, []
+        if workers:
+            stop_workers(workers)
+        tier = self.kv_cache_manager.tier
+        if tier is not None:
+            saved = save_cached_blocks(self.runner.kv_caches, self.kv_cache_manager)
+            tier.close()
+            logger.info("KV tier: saved %d cached blocks from the pool; closed", saved)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One step; raises `StepError` (its requests aborted) when running it fails.
+
+        A failure is confined to the requests the step scheduled: they are aborted here,
+        so their blocks and state are freed, and the next step runs without them; the
+        blocks the step was to write leave the prefix cache. A failure before anything
+        was scheduled propagates as it is.
+        """
+        sched_out = self.scheduler.schedule()
+        try:
+            move_blocks(self.runner.kv_caches, self.kv_cache_manager)
+            if self._tp_workers:  # every rank runs the same step
+                broadcast_object(worker_step(sched_out))
+            sampled = self.runner.execute(sched_out)
+            updated = self.scheduler.update_from_output(
+                sched_out, {rid: s.token_id for rid, s in sampled.items()}
+            )
+        except Exception as exc:
+            ids = [s.request_id for s in sched_out.scheduled]
+            self.scheduler.uncache_failed_step(sched_out)
+            self.abort_requests(ids)
+            raise StepError(ids, exc) from exc
+        outputs = [
+            EngineCoreOutput(
+                r.request_id,
+                [r.output_token_ids[-1]],
+                r.finish_reason,
+                r.stop_reason,
+                _one(sampled[r.request_id].logprob),
+                max(r.num_cached_tokens, 0),
+            )
+            for r in updated
+        ]
+        outputs += [
+            EngineCoreOutput(r.request_id, [], r.finish_reason) for r in sched_out.timed_out
+        ]
+        self._update_stats(sched_out, updated)
+        return outputs
+
+    def _update_stats(self, sched_out: SchedulerOutput, updated: list[Request]) -> None:
+        s = self.stats
+        kv = self.kv_cache_manager
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = kv.usage
+        s.kv_blocks = kv.block_counts()
+        s.prefix_cache_queries = kv.stats.queries
+        s.prefix_cache_hits = kv.stats.hits
+        s.tier_hits = kv.stats.tier_hits
+        if kv.tier is not None:
+            s.tier_blocks, s.tier_num_blocks = len(kv.tier), kv.tier.num_slots
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.generation_tokens += len(updated)
+        # A request's first token ends its prefill: its whole prompt counts once, however
+        # much came from the prefix cache (a preempted request recomputes without recounting).
+        s.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
+        s.num_steps += 1
+        s.last_step_tokens = sched_out.num_batched_tokens
+        s.last_step_seqs = len(sched_out.scheduled)
+
+
+def _one(item: Any) -> list[Any] | None:
+    return None if item is None else [item]
