@@ -44,6 +44,7 @@ from typing import Any
 
 from engine import RequestOutput, StepError
 from engine.core import EngineCore
+from engine.llm_engine import LLMEngine
 from engine.memory import release_free_memory
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import EngineCoreOutput
@@ -151,10 +152,14 @@ class AsyncEngine:
 
     def __init__(
         self,
-        core: EngineCore,
+        core: EngineCore | LLMEngine,
         metrics: ServerMetrics | None = None,
         log_interval_s: float = 5.0,
     ) -> None:
+        """`core`: the engine core; an offline `LLMEngine` stands for its core (the
+        output processing is this class's own, on the event loop)."""
+        if isinstance(core, LLMEngine):
+            core = core.core
         self.core = core
         self.tokenizer = core.tokenizer
         self.metrics = metrics if metrics is not None else ServerMetrics()

@@ -112,7 +112,7 @@ def running_server(
     limits: ConnectionLimits | None = None,
     **app_kwargs: Any,
 ) -> Iterator[RunningServer]:
-    client = client or AsyncEngine(engine.core, log_interval_s=1.0)
+    client = client or AsyncEngine(engine, log_interval_s=1.0)
     app_kwargs.setdefault("served_model_name", MODEL_NAME)
     app = build_app(client, **app_kwargs)
     thread = _UvicornThread(app, limits)
