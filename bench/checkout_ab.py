@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,32", help="server concurrencies")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--skip-step", action="store_true")
     args = ap.parse_args()
     print(machine_line(), flush=True)
     checkouts = {"this": HERE, "other": args.other.resolve()}
@@ -106,15 +107,16 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = ["this", "other"] if round_ % 2 == 0 else ["other", "this"]
         for name in order:
-            steps[name].append(engine_steps(checkouts[name], args.batch))
-            print(f"round {round_ + 1} {name}: step ms {steps[name][-1]}", flush=True)
+            if not args.skip_step:
+                steps[name].append(engine_steps(checkouts[name], args.batch))
+                print(f"round {round_ + 1} {name}: step ms {steps[name][-1]}", flush=True)
             if not args.skip_server:
                 serve[name].append(
                     server_figures(checkouts[name], args.concurrency, args.num_requests)
                 )
                 print(f"round {round_ + 1} {name}: server {serve[name][-1]}", flush=True)
     print("\n| figure | this | other | ratio (median of rounds) |\n|---|---|---|---|")
-    for batch in args.batch.split(","):
+    for batch in args.batch.split(",") if not args.skip_step else []:
         row = [(t[batch], o[batch]) for t, o in zip(steps["this"], steps["other"], strict=True)]
         _row(f"engine step b={batch} (ms)", row)
     for conc in args.concurrency.split(",") if not args.skip_server else []:

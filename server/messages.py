@@ -121,15 +121,20 @@ class OutputConfig(OpenAIBaseModel):
 
 
 # `tool` names one of `tools`; `any` and `tool` need tools (said here for /openapi.json).
+# Each `if` matches an object with that `type` only: `properties` holds vacuously for a
+# null tool_choice (which the server takes as none given), so without "type": "object"
+# the spec refused `"tool_choice": null` without tools, which the server accepts.
 _TOOL_CHOICE_RULES = (
     {
         "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "type": "object", "required": ["type"],
             "properties": {"type": {"enum": ["any", "tool"]}}}}},
         "then": {"required": ["tools"],
                  "properties": {"tools": {"type": "array", "minItems": 1}}},
     },
     {
         "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "type": "object", "required": ["type"],
             "properties": {"type": {"const": "tool"}}}}},
         "then": {"properties": {"tool_choice": {"required": ["name"]}}},
     },
