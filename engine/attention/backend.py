@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from engine.attention.kv_cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -29,6 +30,17 @@ class AttentionBackend(ABC):
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional)
         """Plan the step ``meta`` describes (nothing to plan by default)."""
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's new K/V ``[T, kvh, d]`` at their slots (before the call)."""
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     @abstractmethod
     def __call__(

@@ -13,6 +13,14 @@ from engine.attention.reference import ReferenceBackend
 from engine.attention.sdpa import SdpaBackend
 from engine.kernels import layer_kernels
 
+
+def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
+    # Imported on use: triton comes with torch's CUDA build, and loading it costs a second.
+    from engine.attention.triton_paged import TritonBackend
+
+    return TritonBackend(num_heads, num_kv_heads)
+
+
 # name -> factory of (num_heads, num_kv_heads): each model gets its own backend object,
 # since a backend keeps the plan of the step it last prepared.
 ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
@@ -23,6 +31,9 @@ ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
     # bf16 on CPUs with AVX512-BF16, float32 on a GGUF's blocks: decodes through the paged
     # decode kernel.
     "cpu-paged": CpuPagedBackend,
+    # Triton kernels over the block table (CUDA; on CPU only under TRITON_INTERPRET=1, as
+    # the tests run them). Opt-in until a GPU run has checked it.
+    "triton": _triton_backend,
 }
 
 # "auto" resolves to this unless `cpu-paged` can run; see bench/attention.md.

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, get_attention_backend, write_kv
+from engine.attention import AttentionMetadata, get_attention_backend
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.kv_cache import is_quantized
 from engine.distributed import TensorParallel
@@ -153,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
         qk = apply_rotary(qkv[:, : h + kvh], cos, sin)  # q and k heads rotated together
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self.attn.write_kv(k_cache, v_cache, k, v, meta)
         attn = self.attn(q, k_cache, v_cache, meta, self.scale)
         hidden = hidden + self._reduce(self.o_proj(attn.view(num_tokens, h * self.head_dim)))
 

@@ -1,0 +1,267 @@
+"""The Triton backend: paged attention read straight from the block table, for CUDA.
+
+Three kernels, and no gathered copy of any request's K/V:
+- `_write_kv_kernel`: the step's new K/V rows into the paged cache at their flat slots
+  (`slot_mapping`), one program per token;
+- `_paged_attention_kernel`: query tokens against their request's blocks, causal by
+  position, with an online softmax over one KV block (`block_size` keys) at a time. One
+  program per (tile of up to `BLOCK_M` query tokens of one request, KV head): the query
+  heads of that KV head (GQA) share every K/V block it loads. Decodes and prefill chunks
+  over a cached prefix go in one launch (mixed steps included);
+- split-K for decode-only steps with few requests: each decode's context is cut into
+  `num_splits` parts, one program each, which write a partial output and its
+  log-sum-exp; `_merge_splits_kernel` combines them. Long contexts then keep the GPU
+  busy at batch 1.
+
+The plan (which tile is whose, where it starts, the splits) is made once per step on the
+host in `prepare`; a layer call only launches kernels. Under `TRITON_INTERPRET=1` the
+same kernels run on CPU tensors through Triton's interpreter: that is how `make test`
+checks them against the reference backend on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.kv_cache import is_quantized
+from engine.attention.metadata import AttentionMetadata
+
+BLOCK_M = 16  # query tokens per prefill tile
+MIN_ROWS = 16  # tl.dot's smallest M on a GPU: a tile's (token, head) rows are padded to it
+MIN_BLOCK_SIZE = 16  # a KV block is one tl.dot tile of keys: 16 at least
+SPLIT_KEYS = 256  # a decode's keys per split, at least
+MAX_SPLITS = 16
+# Decode programs (requests x KV heads) that keep a GPU busy without splits. A constant,
+# so the plan stays device-free; a GPU's SM count would be the finer figure.
+ENOUGH_PROGRAMS = 256
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_elems,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    src = token.to(tl.int64) * row_elems + offs
+    tl.store(k_cache_ptr + slot * row_elems + offs, tl.load(k_ptr + src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * row_elems + offs, tl.load(v_ptr + src, mask=mask), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
+    tile_req_ptr, tile_start_ptr, tile_len_ptr, tile_pos_ptr, tile_split_ptr, tile_out_ptr,
+    scale, num_heads, head_dim,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    q_start = tl.load(tile_start_ptr + tile)  # the tile's first token in the flat batch
+    q_len = tl.load(tile_len_ptr + tile)  # its tokens (<= TOKENS)
+    pos0 = tl.load(tile_pos_ptr + tile)  # the position of its first token
+    split = tl.load(tile_split_ptr + tile)
+    out_row0 = tl.load(tile_out_ptr + tile)  # its first row of out (and lse)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    # Rows: (token t, head g of the KV head's group), padded to ROWS (a power of two).
+    rows = tl.arange(0, ROWS)
+    t = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (t < q_len) & (rows < TOKENS * GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(
+        q_ptr + (q_start + t)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    q_pos = pos0 + t
+
+    # This program's keys: its split's share of the context, never past its last query.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    k_begin = split * per_split
+    k_end = tl.minimum(tl.minimum(seq_len, k_begin + per_split), pos0 + q_len)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(k_begin, k_end, BLOCK_N):
+        block = tl.load(block_tables_ptr + req * stride_bt + start // BLOCK_N).to(tl.int64)
+        k_pos = start + n
+        kv_ok = (k_pos < k_end)[:, None] & d_ok[None, :]
+        offs = block * stride_kb + n[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        # Multiplied in float32: TF32 for a bf16 / fp16 cache, whose values TF32 holds
+        # exactly (so only the probabilities round, to 10 bits rather than bf16's 7); IEEE
+        # float32 for a float32 model, whose tokens must equal transformers'. (Triton's
+        # interpreter also multiplies bf16 operands wrongly; float32 it gets right.)
+        k = tl.load(k_cache_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < k_end)[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no key allowed yet keeps -inf: exp(-inf - -inf) must not be NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_ref[:, None])
+        alpha = tl.exp(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_rows = (out_row0 + t).to(tl.int64)
+    tl.store(
+        out_ptr + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+    )  # fmt: skip
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + out_rows * num_heads + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, out_token_ptr, num_heads, head_dim,
+    stride_pt, stride_ph, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    part_rows = req * NUM_SPLITS + s
+    lse = tl.load(lse_ptr + part_rows * num_heads + head, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(s_ok, tl.exp(lse - m), 0.0)
+    parts = tl.load(
+        part_ptr + part_rows[:, None] * stride_pt + head * stride_ph + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    token = tl.load(out_token_ptr + req).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    """One step's launch: a tensor per tile field, on the step's device."""
+
+    tiles: dict[str, torch.Tensor]  # req, start, len, pos, split, out: [num_tiles] int32
+    num_tiles: int
+    tokens: int  # query tokens per tile (BLOCK_M, or 1 for a decode-only step)
+    num_splits: int
+    decode_tokens: torch.Tensor | None  # split steps: each decode's row of the flat batch
+
+
+def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
+    """The step's tiles: decode-only steps one token a tile (split over the context when
+    the requests alone would leave the GPU idle), other steps up to BLOCK_M tokens."""
+    q_lens, seq_lens = meta.query_lens, meta.seq_lens_list
+    starts = meta.query_start_loc_list
+    device = meta.seq_lens.device
+    decode_only = meta.num_decodes == meta.num_reqs
+    tokens = 1 if decode_only else BLOCK_M
+    num_splits = 1
+    if decode_only and meta.num_reqs * num_kv_heads < ENOUGH_PROGRAMS:
+        wanted = -(-meta.max_seq_len // SPLIT_KEYS)
+        num_splits = 1 << max(0, min(wanted, MAX_SPLITS) - 1).bit_length()  # a power of 2
+        num_splits = min(num_splits, MAX_SPLITS)
+    fields: dict[str, list[int]] = {k: [] for k in ("req", "start", "len", "pos", "split", "out")}
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for offset in range(0, q_len, tokens):
+            length = min(tokens, q_len - offset)
+            for split in range(num_splits):
+                fields["req"].append(r)
+                fields["start"].append(starts[r] + offset)
+                fields["len"].append(length)
+                fields["pos"].append(seq_len - q_len + offset)
+                fields["split"].append(split)
+                # Split partials go to rows r * num_splits + split of the partial buffer.
+                out = r * num_splits + split if num_splits > 1 else starts[r] + offset
+                fields["out"].append(out)
+    tiles = {
+        k: torch.from_numpy(np.asarray(v, dtype=np.int32)).to(device) for k, v in fields.items()
+    }
+    decode_tokens = tiles["start"][::num_splits].contiguous() if num_splits > 1 else None
+    return _Plan(tiles, len(fields["req"]), tokens, num_splits, decode_tokens)
+
+
+def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """`write_kv` as one kernel launch: rows `[T, kvh, d]` to their flat slots."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    row_elems = k.shape[1] * k.shape[2]
+    k = k.to(k_cache.dtype).contiguous()
+    v = v.to(v_cache.dtype).contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, row_elems,
+        BLOCK=triton.next_power_of_2(row_elems),
+    )  # fmt: skip
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__(num_heads, num_kv_heads)
+        self._plan: _Plan | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"the triton attention backend needs block_size >= "
+                             f"{MIN_BLOCK_SIZE} (tl.dot's smallest tile), got {meta.block_size}")  # fmt: skip
+        self._plan = plan_step(meta, self.num_kv_heads)
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        if is_quantized(k_cache):
+            raise ValueError("the triton attention backend does not read int8 KV rows")
+        triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    def __call__(self, q, k_cache, v_cache, meta, scale):
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("TritonBackend.prepare(meta) must run before the step's layers")
+        num_tokens, num_heads, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        out = torch.empty_like(q)
+        if plan.num_tiles == 0:
+            return out
+        splits = plan.num_splits
+        if splits > 1:
+            target = torch.empty(meta.num_reqs * splits, num_heads, head_dim,
+                                 dtype=torch.float32, device=q.device)  # fmt: skip
+            lse = torch.empty(meta.num_reqs * splits, num_heads, dtype=torch.float32,
+                              device=q.device)  # fmt: skip
+        else:
+            target, lse = out, out  # lse is not written without splits
+        t = plan.tiles
+        block_d = triton.next_power_of_2(head_dim)
+        rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
+        _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
+            q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,
+            t["req"], t["start"], t["len"], t["pos"], t["split"], t["out"],
+            scale, num_heads, head_dim,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            target.stride(0), target.stride(1), meta.block_tables.stride(0),
+            GROUP=group, TOKENS=plan.tokens, ROWS=rows, BLOCK_N=meta.block_size,
+            BLOCK_D=block_d, NUM_SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+        if splits > 1:
+            _merge_splits_kernel[(meta.num_reqs, num_heads)](
+                target, lse, out, plan.decode_tokens, num_heads, head_dim,
+                target.stride(0), target.stride(1), out.stride(0), out.stride(1),
+                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            )  # fmt: skip
+        return out

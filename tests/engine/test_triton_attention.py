@@ -1,0 +1,130 @@
+"""The Triton backend's kernels (engine/attention/triton_paged.py), run on CPU tensors
+through Triton's interpreter, against the reference backend: GQA, block boundaries,
+prefix hits, prefill chunks, mixed steps, split-K decodes; and a model stepping through
+them gives the reference backend's greedy tokens."""
+
+from __future__ import annotations
+
+import os
+
+# Before triton compiles the kernels (this module imports them first in its process).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton comes with torch's CUDA build and xgrammar")
+
+import engine.attention.triton_paged as triton_paged  # noqa: E402
+from engine.attention import reference_paged_attention, write_kv  # noqa: E402
+from engine.attention.triton_paged import TritonBackend, plan_step  # noqa: E402
+from tests.engine.test_attention import make_batch  # noqa: E402
+
+BS = 16  # the backend's smallest block size (one tl.dot tile of keys)
+
+
+def triton_attend(q, k_cache, v_cache, meta, scale):
+    backend = TritonBackend(q.shape[1], k_cache.shape[2])
+    backend.prepare(meta)
+    return backend(q, k_cache, v_cache, meta, scale)
+
+
+# (query_len, seq_len) per request: decodes on and across block boundaries, a fresh
+# prefill, chunks over a cached prefix (prefix hits), and steps mixing them.
+STEPS = {
+    "decodes": [(1, 1), (1, 16), (1, 17), (1, 40)],
+    "prefill": [(37, 37)],
+    "chunk over a cached prefix": [(20, 52), (5, 16)],
+    "mixed": [(1, 33), (18, 18), (1, 5), (9, 41)],
+}
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)], ids=["gqa3", "mha", "mqa"])
+@pytest.mark.parametrize("step", STEPS.values(), ids=STEPS.keys())
+def test_paged_attention_equals_the_reference(step, heads):
+    q, k_cache, v_cache, meta, _ = make_batch(
+        random.Random(len(step)), step, *heads, head_dim=16, dtype=torch.float32, block_size=BS
+    )
+    want = reference_paged_attention(q, k_cache, v_cache, meta, 0.25)
+    got = triton_attend(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_shared_blocks_are_read_in_place():
+    # Two requests whose first blocks are the same physical blocks (a prefix hit).
+    share = [("p", 2), ("p", 2), None]
+    q, k_cache, v_cache, meta, _ = make_batch(
+        random.Random(3), [(1, 40), (7, 45), (1, 9)], 4, 2, 16, torch.float32, BS, share
+    )
+    torch.testing.assert_close(
+        triton_attend(q, k_cache, v_cache, meta, 0.3),
+        reference_paged_attention(q, k_cache, v_cache, meta, 0.3),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+def test_split_k_decodes_equal_the_reference(monkeypatch):
+    monkeypatch.setattr(triton_paged, "SPLIT_KEYS", 16)  # split even these short contexts
+    step = [(1, 70), (1, 3), (1, 33)]
+    q, k_cache, v_cache, meta, _ = make_batch(random.Random(5), step, 6, 2, 16,
+                                              torch.float32, BS)  # fmt: skip
+    plan = plan_step(meta, num_kv_heads=2)
+    assert plan.num_splits > 1  # the split path, with a split left empty for the short one
+    torch.testing.assert_close(
+        triton_attend(q, k_cache, v_cache, meta, 0.25),
+        reference_paged_attention(q, k_cache, v_cache, meta, 0.25),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+def test_bf16_within_bf16_tolerance():
+    q, k_cache, v_cache, meta, _ = make_batch(
+        random.Random(7), STEPS["mixed"], 6, 2, 32, torch.bfloat16, BS
+    )
+    torch.testing.assert_close(
+        triton_attend(q, k_cache, v_cache, meta, 0.2).float(),
+        reference_paged_attention(q, k_cache, v_cache, meta, 0.2).float(),
+        atol=2e-2, rtol=2e-2,
+    )  # fmt: skip
+
+
+def test_write_kv_kernel_equals_index_copy():
+    step = [(3, 20), (1, 17)]
+    _, k_cache, v_cache, meta, _ = make_batch(random.Random(9), step, 4, 2, 16,
+                                              torch.float32, BS)  # fmt: skip
+    k = torch.randn(meta.num_tokens, 2, 16)
+    v = torch.randn(meta.num_tokens, 2, 16)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv(want_k, want_v, k, v, meta.slot_mapping)
+    triton_paged.triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_block_size_below_a_tile_is_refused():
+    _, _, _, meta, _ = make_batch(random.Random(1), [(1, 5)], 4, 2, 16, torch.float32, 4)
+    with pytest.raises(ValueError, match="block_size >= 16"):
+        TritonBackend(4, 2).prepare(meta)
+
+
+def test_a_model_on_the_triton_backend_gives_the_reference_tokens(tmp_path):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.engine.tiny_models import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    prompts = [[5, 6, 7] * 7, [5, 6, 7] * 7 + [9, 10], [11] * 40]  # a prefix hit, a long one
+    outputs = {}
+    for backend in ("reference", "triton"):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                        num_blocks=64, attention_backend=backend,
+                                        max_num_batched_tokens=32))  # fmt: skip
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=6, temperature=0.0))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        outputs[backend] = done
+    assert outputs["triton"] == outputs["reference"]
