@@ -246,7 +246,7 @@ class TritonBackend(AttentionBackend):
         else:
             target, lse = out, out  # lse is not written without splits
         t = plan.tiles
-        block_d = triton.next_power_of_2(head_dim)
+        block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
         rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
         _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
             q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,

@@ -128,3 +128,14 @@ def test_a_model_on_the_triton_backend_gives_the_reference_tokens(tmp_path):
                     done[out.request_id] = out.token_ids
         outputs[backend] = done
     assert outputs["triton"] == outputs["reference"]
+
+
+def test_a_head_dim_below_a_tile_is_masked():
+    # head_dim 8 runs in a 16-wide tile (tl.dot's smallest): the padding must not leak.
+    q, k_cache, v_cache, meta, _ = make_batch(random.Random(11), STEPS["mixed"], 4, 2, 8,
+                                              torch.float32, BS)  # fmt: skip
+    torch.testing.assert_close(
+        triton_attend(q, k_cache, v_cache, meta, 0.35),
+        reference_paged_attention(q, k_cache, v_cache, meta, 0.35),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
