@@ -54,12 +54,6 @@ class OutputProcessor(Generic[C]):
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def get(self, request_id: str) -> RequestState[C] | None:
-        return self._states.get(request_id)
-
-    def states(self) -> list[RequestState[C]]:
-        return list(self._states.values())
-
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, client: C
     ) -> None:
@@ -74,6 +68,10 @@ class OutputProcessor(Generic[C]):
     def remove(self, request_ids: Iterable[str]) -> list[RequestState[C]]:
         """Forget requests (aborted, failed); returns the states of those it knew."""
         return [s for rid in request_ids if (s := self._states.pop(rid, None)) is not None]
+
+    def remove_all(self) -> list[RequestState[C]]:
+        states, self._states = list(self._states.values()), {}
+        return states
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs[C]:
         processed: ProcessedOutputs[C] = ProcessedOutputs()

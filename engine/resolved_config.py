@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, Quantization
-from engine.loader import resolve_model_dir, source_gguf
+from engine.loader import load_hf_config, resolve_model_dir, source_gguf
 from engine.models.llama import sliding_window
 from scheduler import SchedulerConfig
 
@@ -38,8 +38,6 @@ class ResolvedConfig:
     @classmethod
     def resolve(cls, config: EngineConfig) -> ResolvedConfig:
         """Resolve everything that needs no loaded model; ValueError naming what is wrong."""
-        from engine.loader import load_hf_config
-
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         hf_config = load_hf_config(model_dir)
         device = config.resolve_device()

@@ -398,11 +398,7 @@ class AsyncEngine:
     def _fail_requests(self, request_ids: list[str], error: EngineError) -> None:
         """End a failed step's requests (the core aborted them) with `error`, as "error";
         then let the engine thread step again (`_FailureHandled`)."""
-        states = self._processor.remove(request_ids)
-        now = time.monotonic()
-        for state in states:
-            self.metrics.on_request_done(state.client.times, "error", now)
-        self._fail_streams([s.client.stream for s in states], error)
+        self._end_with(self._processor.remove(request_ids), "error", error)
         with self._lock:
             if self._dead is None:
                 self._commands.put(_FailureHandled())
@@ -416,13 +412,17 @@ class AsyncEngine:
             stream._put(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        """The engine died: every request in flight ends with `error`."""
-        states = self._processor.remove([s.request_id for s in self._processor.states()])
+        """The engine died: every request in flight ends with `error`, counted as aborted."""
+        self._end_with(self._processor.remove_all(), "abort", error)
+
+    def _end_with(
+        self, states: list[RequestState[_Client]], reason: str, error: BaseException
+    ) -> None:
+        """Count these (removed) requests as ended for `reason`; fail their streams."""
         now = time.monotonic()
         for state in states:
-            self.metrics.on_request_done(state.client.times, "abort", now)
-        for stream in {id(s.client.stream): s.client.stream for s in states}.values():
-            stream._put(error)
+            self.metrics.on_request_done(state.client.times, reason, now)
+        self._fail_streams([s.client.stream for s in states], error)
 
     # -- the engine thread ---------------------------------------------------------------
 
