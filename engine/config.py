@@ -205,6 +205,15 @@ class EngineConfig:
     seed: int = flag(0, INTEGER)
     # One of the registry's backends, checked by `_problems` against the registry as it is then.
     attention_backend: str = flag("auto")
+    # CUDA: decode steps replay graphs captured at start-up (engine/cuda_graphs.py) where
+    # the attention backend allows it; this keeps every step eager (for debugging, or to
+    # save the graphs' start-up time and memory).
+    enforce_eager: bool = flag(
+        False,
+        SWITCH,
+        help="CUDA: run decode steps eagerly, capturing no CUDA graphs (default: "
+        "captured at start-up with the triton attention backend)",
+    )
     # "int8" / "int4": weight-only (CPUs with AVX512-BF16); None or "none": off (a GGUF is
     # dequantized); "auto": a GGUF's own blocks where the GGUF kernels run, else off.
     quantization: str | None = flag(
@@ -535,6 +544,11 @@ def measure_gpu_memory(device: torch.device) -> GpuMemory:
 # -- device-specific calls the rest of the engine makes through here ---------------------------
 # Engine code names no device: these helpers hide the CPU/CUDA difference, so the same code
 # path runs on both (tests/test_device_agnostic.py enforces it).
+
+
+def is_cuda(device: torch.device) -> bool:
+    """Whether the device is a CUDA GPU (where decode steps may replay CUDA graphs)."""
+    return device.type == "cuda"
 
 
 def reset_peak_memory_stats(device: torch.device) -> None:

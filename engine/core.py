@@ -27,10 +27,12 @@ from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import (
     EngineConfig,
     GpuMemory,
+    is_cuda,
     measure_gpu_memory,
     reset_peak_memory_stats,
     synchronize,
 )
+from engine.cuda_graphs import CudaGraphRunner, graphs_off_reason
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
 from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
@@ -77,6 +79,15 @@ class EngineCore:
             model, kv_caches, engine.block_size, config.device, engine.max_num_batched_tokens,
             self.structured_outputs,
         )  # fmt: skip
+        self.graphs_off = graphs_off_reason(
+            config.device, engine.enforce_eager, model.attn_backend.cuda_graphs, tp_size > 1
+        )
+        if self.graphs_off is None:
+            self.runner.graphs = graphs = CudaGraphRunner(
+                model, kv_caches, engine.block_size, config.max_model_len,
+                engine.max_num_seqs, config.device,
+            )  # fmt: skip
+            graphs.capture()
         tier = self._open_tier(kv_caches) if engine.kv_offload_bytes else None
         self.scheduler = Scheduler(
             config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier
@@ -123,7 +134,16 @@ class EngineCore:
         if self.config.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         parts.append(f"weights: {self.model.weight_formats()}")
+        if is_cuda(self.config.device):
+            parts.append(self._graphs_summary())
         return ", ".join(parts)
+
+    def _graphs_summary(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return f"CUDA graphs off ({self.graphs_off})"
+        sizes = graphs.captured
+        return f"CUDA graphs for decode batches {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
 
     # -- sizing the KV cache ---------------------------------------------------------------
 

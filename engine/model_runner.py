@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import uses_pinned_memory
+from engine.cuda_graphs import CudaGraphRunner
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
 from engine.structured_output import StructuredOutputManager
@@ -52,15 +53,19 @@ class ModelRunner:
         self._host_ids = torch.empty(
             max_num_batched_tokens, dtype=torch.long, pin_memory=uses_pinned_memory(device)
         )
+        # Set once captured (EngineCore): decode-only steps replay a CUDA graph.
+        self.graphs: CudaGraphRunner | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         if not out.scheduled:
             return {}
         input_ids, meta = self._prepare_inputs(out)
-        # The step's host-side attention planning, once: the layers then only run tensor work.
-        self.model.attn_backend.prepare(meta)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        hidden = self.graphs.run(input_ids, meta) if self.graphs is not None else None
+        if hidden is None:  # eager: prefills, large batches, or no graphs
+            # The step's host-side attention planning, once: the layers then only run tensor work.
+            self.model.attn_backend.prepare(meta)
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         sampled = [s for s in out.scheduled if s.sample]
         if not sampled:
             return {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 # The default model's GGUF is converted once into this cache; a fresh clone pays
 # the conversion in its first run only.
 os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
@@ -12,6 +14,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Before any test imports torch: see engine/__init__.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="where the device-agnostic tests (marked `device`) run: cpu (default; Triton "
+        "kernels through Triton's interpreter) or cuda, e.g. `pytest --device cuda -m device`",
+    )
+
+
+def pytest_configure(config) -> None:
+    # On CPU the Triton kernels run through Triton's interpreter; it is read when a kernel
+    # is defined, so before any test module imports one.
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The device of the device-agnostic tests (`--device`): a torch.device."""
+    import torch  # not at the top: the environment above must be set before torch loads
+
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda, but torch sees no CUDA device")
+    return device
 
 
 def pytest_sessionstart(session) -> None:

@@ -21,6 +21,10 @@ class AttentionBackend(ABC):
     """
 
     name = ""  # its registry name, set by `get_attention_backend`
+    # Whether a decode-only step can be captured in a CUDA graph (engine/cuda_graphs.py):
+    # `prepare` of such a step makes no tensor and reads only the batch size and
+    # `max_seq_len`, and the layer calls read the step from the metadata's tensors alone.
+    cuda_graphs = False
 
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         if num_heads % num_kv_heads:

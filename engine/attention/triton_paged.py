@@ -14,7 +14,13 @@ Three kernels, and no gathered copy of any request's K/V:
   busy at batch 1.
 
 The plan (which tile is whose, where it starts, the splits) is made once per step on the
-host in `prepare`; a layer call only launches kernels. Under `TRITON_INTERPRET=1` the
+host in `prepare`; a layer call only launches kernels. A decode-only step's plan is a
+few integers and no tensor (`DECODE`: each program's request and split follow from its
+id), and what it reads per request (context length, block table, slot) is in the
+metadata's tensors: so a decode step is captured in a CUDA graph once per batch size
+and replayed over new contents of the same tensors (engine/cuda_graphs.py). A padded
+row of such a batch has context length 0 and slot -1: it reads nothing and writes
+nothing. Under `TRITON_INTERPRET=1` the
 same kernels run on CPU tensors through Triton's interpreter: that is how `make test`
 checks them against the reference backend on machines without a GPU.
 """
@@ -48,7 +54,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_elems
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    mask = offs < row_elems
+    # Slot -1 (a CUDA graph batch's padding row) writes nothing.
+    mask = offs < tl.where(slot >= 0, row_elems, 0)
     src = token.to(tl.int64) * row_elems + offs
     tl.store(k_cache_ptr + slot * row_elems + offs, tl.load(k_ptr + src, mask=mask), mask=mask)
     tl.store(v_cache_ptr + slot * row_elems + offs, tl.load(v_ptr + src, mask=mask), mask=mask)
@@ -57,21 +64,31 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_elems
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
-    tile_req_ptr, tile_start_ptr, tile_len_ptr, tile_pos_ptr, tile_split_ptr, tile_out_ptr,
+    tile_req_ptr, tile_start_ptr, tile_len_ptr, tile_pos_ptr,
     scale, num_heads, head_dim,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = tl.load(tile_req_ptr + tile)
-    q_start = tl.load(tile_start_ptr + tile)  # the tile's first token in the flat batch
-    q_len = tl.load(tile_len_ptr + tile)  # its tokens (<= TOKENS)
-    pos0 = tl.load(tile_pos_ptr + tile)  # the position of its first token
-    split = tl.load(tile_split_ptr + tile)
-    out_row0 = tl.load(tile_out_ptr + tile)  # its first row of out (and lse)
-    seq_len = tl.load(seq_lens_ptr + req)
+    if DECODE:  # one token per request, request r is token r: nothing to look up
+        req = tile // NUM_SPLITS
+        seq_len = tl.load(seq_lens_ptr + req)
+        q_start = req
+        q_len = 1
+        pos0 = seq_len - 1
+        split = tile % NUM_SPLITS
+        out_row0 = tile if NUM_SPLITS > 1 else req
+    else:  # a tile of up to TOKENS query tokens of one request, never split
+        req = tl.load(tile_req_ptr + tile)
+        seq_len = tl.load(seq_lens_ptr + req)
+        q_start = tl.load(tile_start_ptr + tile)  # the tile's first token in the flat batch
+        q_len = tl.load(tile_len_ptr + tile)  # its tokens (<= TOKENS)
+        pos0 = tl.load(tile_pos_ptr + tile)  # the position of its first token
+        split = 0
+        out_row0 = q_start  # its first row of out
 
     # Rows: (token t, head g of the KV head's group), padded to ROWS (a power of two).
     rows = tl.arange(0, ROWS)
@@ -130,7 +147,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, out_token_ptr, num_heads, head_dim,
+    part_ptr, lse_ptr, out_ptr, num_heads, head_dim,
     stride_pt, stride_ph, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -143,59 +160,62 @@ def _merge_splits_kernel(
     part_rows = req * NUM_SPLITS + s
     lse = tl.load(lse_ptr + part_rows * num_heads + head, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.where(s_ok, tl.exp(lse - m), 0.0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padded row's splits all read nothing
+    w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - m), 0.0)
     parts = tl.load(
         part_ptr + part_rows[:, None] * stride_pt + head * stride_ph + d[None, :],
         mask=s_ok[:, None] & d_ok[None, :], other=0.0,
     ).to(tl.float32)  # fmt: skip
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    token = tl.load(out_token_ptr + req).to(tl.int64)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    token = req.to(tl.int64)  # splits are decode-only steps: request r is token r
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)  # fmt: skip
 
 
 @dataclass
 class _Plan:
-    """One step's launch: a tensor per tile field, on the step's device."""
+    """One step's launch."""
 
-    tiles: dict[str, torch.Tensor]  # req, start, len, pos, split, out: [num_tiles] int32
+    # Steps with prefills: req, start, len, pos: [num_tiles] int32 on the
+    # step's device. None for a decode-only step, whose tiles follow from program ids.
+    tiles: dict[str, torch.Tensor] | None
     num_tiles: int
     tokens: int  # query tokens per tile (BLOCK_M, or 1 for a decode-only step)
     num_splits: int
-    decode_tokens: torch.Tensor | None  # split steps: each decode's row of the flat batch
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Parts of each context for a decode-only step: a power of 2, more than one only when
+    the requests alone would leave the GPU idle and the contexts are long enough."""
+    if num_reqs * num_kv_heads >= ENOUGH_PROGRAMS:
+        return 1
+    wanted = min(-(-max_seq_len // SPLIT_KEYS), MAX_SPLITS)
+    return min(1 << max(0, wanted - 1).bit_length(), MAX_SPLITS)
 
 
 def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
     """The step's tiles: decode-only steps one token a tile (split over the context when
-    the requests alone would leave the GPU idle), other steps up to BLOCK_M tokens."""
-    q_lens, seq_lens = meta.query_lens, meta.seq_lens_list
+    the requests alone would leave the GPU idle), other steps up to BLOCK_M tokens.
+
+    A decode-only step's plan reads only host integers (the batch size, the longest
+    context) and makes no tensor, so it is valid inside a CUDA graph capture."""
+    if meta.num_decodes == meta.num_reqs:
+        splits = decode_splits(meta.num_reqs, num_kv_heads, meta.max_seq_len)
+        return _Plan(None, meta.num_reqs * splits, 1, splits)
     starts = meta.query_start_loc_list
+    fields: dict[str, list[int]] = {"req": [], "start": [], "len": [], "pos": []}
+    for r, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list, strict=True)):
+        for offset in range(0, q_len, BLOCK_M):
+            fields["req"].append(r)
+            fields["start"].append(starts[r] + offset)
+            fields["len"].append(min(BLOCK_M, q_len - offset))
+            fields["pos"].append(seq_len - q_len + offset)
     device = meta.seq_lens.device
-    decode_only = meta.num_decodes == meta.num_reqs
-    tokens = 1 if decode_only else BLOCK_M
-    num_splits = 1
-    if decode_only and meta.num_reqs * num_kv_heads < ENOUGH_PROGRAMS:
-        wanted = -(-meta.max_seq_len // SPLIT_KEYS)
-        num_splits = 1 << max(0, min(wanted, MAX_SPLITS) - 1).bit_length()  # a power of 2
-        num_splits = min(num_splits, MAX_SPLITS)
-    fields: dict[str, list[int]] = {k: [] for k in ("req", "start", "len", "pos", "split", "out")}
-    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        for offset in range(0, q_len, tokens):
-            length = min(tokens, q_len - offset)
-            for split in range(num_splits):
-                fields["req"].append(r)
-                fields["start"].append(starts[r] + offset)
-                fields["len"].append(length)
-                fields["pos"].append(seq_len - q_len + offset)
-                fields["split"].append(split)
-                # Split partials go to rows r * num_splits + split of the partial buffer.
-                out = r * num_splits + split if num_splits > 1 else starts[r] + offset
-                fields["out"].append(out)
     tiles = {
         k: torch.from_numpy(np.asarray(v, dtype=np.int32)).to(device) for k, v in fields.items()
     }
-    decode_tokens = tiles["start"][::num_splits].contiguous() if num_splits > 1 else None
-    return _Plan(tiles, len(fields["req"]), tokens, num_splits, decode_tokens)
+    return _Plan(tiles, len(fields["req"]), BLOCK_M, 1)
 
 
 def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -213,6 +233,8 @@ def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 
 class TritonBackend(AttentionBackend):
+    cuda_graphs = True  # a decode-only plan is integers; the kernels read meta's tensors
+
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         super().__init__(num_heads, num_kv_heads)
         self._plan: _Plan | None = None
@@ -245,22 +267,23 @@ class TritonBackend(AttentionBackend):
                               device=q.device)  # fmt: skip
         else:
             target, lse = out, out  # lse is not written without splits
-        t = plan.tiles
+        # A decode-only step's kernel reads no tile tensor: any pointer stands in.
+        t = plan.tiles or dict.fromkeys(("req", "start", "len", "pos"), meta.seq_lens)
         block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
         rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
         _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
             q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,
-            t["req"], t["start"], t["len"], t["pos"], t["split"], t["out"],
+            t["req"], t["start"], t["len"], t["pos"],
             scale, num_heads, head_dim,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             target.stride(0), target.stride(1), meta.block_tables.stride(0),
             GROUP=group, TOKENS=plan.tokens, ROWS=rows, BLOCK_N=meta.block_size,
-            BLOCK_D=block_d, NUM_SPLITS=splits,
+            BLOCK_D=block_d, NUM_SPLITS=splits, DECODE=plan.tiles is None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )  # fmt: skip
         if splits > 1:
             _merge_splits_kernel[(meta.num_reqs, num_heads)](
-                target, lse, out, plan.decode_tokens, num_heads, head_dim,
+                target, lse, out, num_heads, head_dim,
                 target.stride(0), target.stride(1), out.stride(0), out.stride(1),
                 NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
             )  # fmt: skip

@@ -3,6 +3,9 @@
 The correctness reference of DESIGN.md: float32 on CPU, every prompt of a
 batch, also when the batch mixes prefix-cache hits, chunked prefill and
 preemption (forced with a tiny KV pool and a small token budget).
+
+On `--device cuda` both run on the GPU, the engine on each CUDA attention backend
+(`BACKENDS`): triton's decode steps replay CUDA graphs.
 """
 
 from __future__ import annotations
@@ -16,17 +19,27 @@ from engine import LLM, SamplingParams
 from engine.loader import load_reference_model
 from tests.engine.tiny_models import make_tiny_model_dir
 
+pytestmark = pytest.mark.device
+
 NEW_TOKENS = 24
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf=None) -> list[list[int]]:
-    """Reference tokens (of `hf`, else the directory's model), one prompt at a time so no
-    padding enters the comparison."""
-    hf = hf if hf is not None else load_reference_model(model_dir, torch.float32)
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        on_cuda = metafunc.config.getoption("--device").startswith("cuda")
+        metafunc.parametrize("backend", ["sdpa", "triton"] if on_cuda else ["auto"])
+
+
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_new_tokens: int, hf=None, device="cpu"
+) -> list[list[int]]:
+    """Reference tokens (of `hf`, else the directory's model on `device`), one prompt at a
+    time so no padding enters the comparison."""
+    hf = hf if hf is not None else load_reference_model(model_dir, torch.float32).to(device)
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=hf.device)
             gen = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -62,19 +75,20 @@ def tiny_model(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_reference(tiny_model):
+def tiny_reference(tiny_model, device):
     prompts = random_prompts(seed=7, n=10, vocab=1000)
-    return prompts, hf_greedy(tiny_model, prompts, NEW_TOKENS)
+    return prompts, hf_greedy(tiny_model, prompts, NEW_TOKENS, device=device)
 
 
-def test_batch_matches_transformers(tiny_model, tiny_reference):
+def test_batch_matches_transformers(tiny_model, tiny_reference, device, backend):
     prompts, expected = tiny_reference
-    llm = LLM(model=str(tiny_model), dtype="float32", num_blocks=256)
+    llm = LLM(model=str(tiny_model), dtype="float32", num_blocks=256, device=str(device),
+              attention_backend=backend)  # fmt: skip
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     assert_all_blocks_free(llm)
 
 
-def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_reference):
+def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_reference, device):
     prompts, expected = tiny_reference
     # 12 blocks of 4 tokens cannot hold ten 30-60-token requests at once: the
     # scheduler must preempt; a 16-token budget chunks every longer prompt.
@@ -84,6 +98,7 @@ def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_referenc
         block_size=4,
         num_blocks=24,
         max_num_batched_tokens=16,
+        device=str(device),
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     sched = llm.engine.scheduler
@@ -92,10 +107,12 @@ def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_referenc
     assert_all_blocks_free(llm)
 
 
-def test_prefix_hits_keep_tokens_identical(tiny_model):
+def test_prefix_hits_keep_tokens_identical(tiny_model, device, backend):
     prompts = random_prompts(seed=11, n=8, vocab=1000, shared_prefix=48)
-    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS)
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=8, num_blocks=128)
+    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS, device=device)
+    block_size = 16 if backend == "triton" else 8  # triton's smallest block is 16
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=block_size, num_blocks=128,
+              device=str(device), attention_backend=backend)  # fmt: skip
     # Warm the cache with the first prompt, then run the batch that shares its prefix.
     assert engine_greedy(llm, prompts[:1], NEW_TOKENS) == expected[:1]
     outs = llm.generate(
@@ -107,15 +124,16 @@ def test_prefix_hits_keep_tokens_identical(tiny_model):
     assert_all_blocks_free(llm)
 
 
-def test_all_three_mechanisms_at_once(tiny_model):
+def test_all_three_mechanisms_at_once(tiny_model, device):
     prompts = random_prompts(seed=13, n=8, vocab=1000, shared_prefix=20)
-    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS)
+    expected = hf_greedy(tiny_model, prompts, NEW_TOKENS, device=device)
     llm = LLM(
         model=str(tiny_model),
         dtype="float32",
         block_size=4,
         num_blocks=26,
         max_num_batched_tokens=12,
+        device=str(device),
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     assert llm.engine.scheduler.num_preemptions > 0

@@ -1,0 +1,182 @@
+"""CUDA graphs for decode steps (engine/cuda_graphs.py): which sizes are captured, how a
+step is padded to one, and that replays give the eager engine's tokens.
+
+On CPU the one CUDA seam, the capture, is a stand-in that records the function and
+re-runs it at replay: a replay then computes from the persistent buffers alone, as a
+real graph does, so a step whose inputs were not copied in (or whose padding rows kept
+the previous step's slots) gives other tokens. On `--device cuda` the real
+`CudaGraphCapture` runs instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton comes with torch's CUDA build and xgrammar")
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.attention import AttentionMetadata  # noqa: E402
+from engine.cuda_graphs import (  # noqa: E402
+    CudaGraphCapture,
+    CudaGraphRunner,
+    DecodeBuffers,
+    capture_sizes,
+    graphs_off_reason,
+)
+from tests.engine.tiny_models import make_tiny_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.device
+
+
+class RerunCapture:
+    """A capture that keeps the function: each replay runs it again and writes the result
+    into the tensor the capture returned, as a graph's replay does."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []  # batch sizes, in capture order
+        self.replays: list[int] = []
+
+    def __call__(self, fn):
+        out = fn()
+        size = out.shape[0]
+        self.captured.append(size)
+
+        def replay() -> None:
+            self.replays.append(size)
+            out.copy_(fn())
+
+        return replay, out
+
+
+def test_capture_sizes():
+    assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert capture_sizes(100) == [1, 2, 4, 8, *range(16, 97, 16), 100]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4096)[-1] == 512  # larger batches run eagerly
+
+
+def test_graphs_off_reason():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_off_reason(cuda, False, True, False) is None
+    assert graphs_off_reason(cpu, False, True, False) == "not on CUDA"
+    assert graphs_off_reason(cuda, True, True, False) == "--enforce-eager"
+    assert "attention backend" in graphs_off_reason(cuda, False, False, False)
+    assert graphs_off_reason(cuda, False, True, True) == "tensor parallelism"
+
+
+def decode_meta(seq_lens: list[int], block_size: int = 16) -> AttentionMetadata:
+    tables = [[10 + r * 4 + b for b in range(-(-s // block_size))] for r, s in enumerate(seq_lens)]
+    return AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, "cpu")
+
+
+def test_a_step_is_copied_in_and_padded_to_its_size():
+    buffers = DecodeBuffers.allocate(8, max_blocks=4, device=torch.device("cpu"))
+    big = decode_meta([40, 17, 33, 5])
+    buffers.load(torch.tensor([7, 8, 9, 10]), big, size=4)
+    small = decode_meta([41, 18, 34])  # one request finished: row 3 now pads
+    buffers.load(torch.tensor([11, 12, 13]), small, size=4)
+    assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert buffers.positions[:4].tolist() == [40, 17, 33, 0]
+    assert buffers.seq_lens[:4].tolist() == [41, 18, 34, 0]  # a padding row reads nothing
+    assert buffers.slot_mapping[:4].tolist() == [*small.slot_mapping.tolist(), -1]  # writes nothing
+    assert buffers.block_tables[:3, :3].tolist() == small.block_tables.tolist()
+
+
+def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir):
+    engine = tiny_engine(model_dir, max_num_seqs=6)
+    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16, 128, 6,
+                             torch.device("cpu"))  # fmt: skip
+    assert graphs.graph_size(decode_meta([5])) is None  # nothing captured yet
+    capture = RerunCapture()
+    graphs.capture(capture)
+    assert capture.captured == [6, 4, 2, 1]  # largest first: the pool's order
+    assert graphs.graph_size(decode_meta([5] * 3)) == 4
+    assert graphs.graph_size(decode_meta([5] * 6)) == 6
+    mixed = AttentionMetadata.build([1, 4], [9, 4], [[1], [2]], 16, "cpu")
+    assert graphs.graph_size(mixed) is None  # a prefill in the step: eager
+    assert graphs.graph_size(decode_meta([5] * 7)) is None  # above the largest: eager
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def eager(model_dir, device) -> dict[str, list[int]]:
+    return greedy_run(tiny_engine(model_dir, device, enforce_eager=True))
+
+
+def tiny_engine(model_dir, device="cpu", **overrides) -> LLMEngine:
+    config = dict(model=str(model_dir), dtype="float32", device=str(device), num_blocks=64,
+                  attention_backend="triton", max_num_batched_tokens=64)  # fmt: skip
+    return LLMEngine(EngineConfig(**{**config, **overrides}))
+
+
+def greedy_run(engine: LLMEngine) -> dict[str, list[int]]:
+    """Requests of different lengths arriving at different steps, so decode batches grow
+    and shrink (padding rows that held a finished request's slot) and a prefix is hit."""
+    prompts = {"a": [5, 6, 7] * 7, "b": [5, 6, 7] * 7 + [9, 10], "c": [11] * 40, "d": [3, 4]}
+    max_tokens = {"a": 9, "b": 4, "c": 12, "d": 7}
+    later = ["d"]
+    done: dict[str, list[int]] = {}
+    for rid in ("a", "b", "c"):
+        engine.add_request(
+            rid, prompts[rid], SamplingParams(max_tokens=max_tokens[rid], temperature=0.0)
+        )
+    steps = 0
+    while engine.has_unfinished_requests() or later:
+        steps += 1
+        if steps == 5 and later:
+            rid = later.pop()
+            engine.add_request(
+                rid, prompts[rid], SamplingParams(max_tokens=max_tokens[rid], temperature=0.0)
+            )
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    kv = engine.kv_cache_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == engine.num_blocks  # every request returned its blocks
+    return done
+
+
+def test_replayed_decodes_give_the_eager_tokens(model_dir, eager, device):
+    engine = tiny_engine(model_dir, device, max_num_seqs=4)
+    if device.type == "cuda":
+        assert engine.runner.graphs is not None  # captured by the engine at start-up
+        assert "CUDA graphs for decode batches 1..4" in engine.compute_summary
+        assert greedy_run(engine) == eager
+        return
+    assert engine.runner.graphs is None  # CPU: never captured by the engine itself
+    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16,
+                             engine.core.max_model_len, 4, device)  # fmt: skip
+    capture = RerunCapture()
+    graphs.capture(capture)
+    engine.runner.graphs = graphs
+    assert greedy_run(engine) == eager
+    # Decode steps of 3 and 2 requests replayed padded to 4 and 2; of 1 at 1.
+    assert {4, 2, 1} <= set(capture.replays)
+
+
+def test_a_replay_reads_only_the_buffers(model_dir, eager, device):
+    if device.type != "cpu":
+        pytest.skip("a check of the CPU stand-in for the capture")
+    # Without the copy into the buffers, a replay recomputes the capture's inputs: the
+    # tokens differ from the eager ones. (Guards the stand-in capture itself.)
+    engine = tiny_engine(model_dir, max_num_seqs=4)
+    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16,
+                             engine.core.max_model_len, 4, torch.device("cpu"))  # fmt: skip
+    graphs.capture(RerunCapture())
+    graphs.buffers.load = lambda *args: None
+    engine.runner.graphs = graphs
+    assert greedy_run(engine) != eager
+
+
+def test_the_real_capture_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checked by test_replayed_decodes_give_the_eager_tokens on --device cuda")
+    with pytest.raises((RuntimeError, AssertionError)):
+        CudaGraphCapture()(lambda: torch.zeros(1))
