@@ -177,9 +177,14 @@ def _transformers_serve(
     def command(port: int) -> list[str]:
         # The positional FORCE_MODEL is loaded at start-up and serves every request.
         argv = [str(transformers_cli()), "serve", model_dir(), "--continuous-batching"]
-        argv += ["--device", "cpu", "--dtype", "float32"]
+        extra = shlex.split(args.transformers_serve_args)
+        # CPU float32 unless the extra args say otherwise (a GPU run: --device cuda --dtype
+        # bfloat16): each option once.
+        for option, value in (("--device", "cpu"), ("--dtype", "float32")):
+            if option not in extra:
+                argv += [option, value]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
-        return argv + shlex.split(args.transformers_serve_args)
+        return argv + extra
 
     return command
 
@@ -415,7 +420,8 @@ def results_markdown(
         f"- machine: {machine_line()}; 1-min load average during the runs: {load}",
         f"- CPU flags: {cpu_flags_line()}",
         f"- servers: {', '.join(servers)}; model: {args.model or 'default (SmolLM2-135M-Instruct)'}"
-        f", dtype {args.dtype} (naive: {args.naive_dtype}; transformers-serve: float32; "
+        f", dtype {args.dtype} (naive: {args.naive_dtype}; transformers-serve: "
+        f"{args.transformers_serve_args or 'cpu float32'}; "
         "llama-cpp-python and llama-server: the GGUF's own)",
         f"- workloads: {', '.join(args.workload)}; {args.num_requests} requests each, prefix "
         f"{args.prefix_len} tokens ({args.num_prefixes} prefixes for shared-prefix), question "

@@ -46,14 +46,15 @@ SHAPES = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def write_hf_dir(size: str, out: Path, seed: int = 0) -> Path:
+def write_hf_dir(size: str, out: Path, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
     """A LlamaForCausalLM directory of shape ``size``: random bf16 weights (normal, std
-    0.02; norms 1), the default model's tokenizer, one safetensors shard per layer."""
+    0.02; norms 1), the tokenizer of ``tokenizer_dir`` (default: the default model's),
+    one safetensors shard per layer."""
     from transformers import LlamaConfig
 
     from engine.loader import resolve_model_dir
 
-    tokenizer_dir = resolve_model_dir(None)
+    tokenizer_dir = tokenizer_dir or resolve_model_dir(None)
     vocab = 49152
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, rope_theta=10000.0,
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -120,15 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("size", choices=sorted(SHAPES))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
-        "--llama-cpp",
-        type=Path,
-        required=True,
-        help="llama.cpp's source folder (has convert_hf_to_gguf.py)",
+        "--hf-only",
+        action="store_true",
+        help="write only the Hugging Face directory (bf16 safetensors) to --out: a GPU "
+        "host's stand-in (bench/gpu_run.sh), no llama.cpp needed",
     )
-    parser.add_argument("--quantize", type=Path, required=True, help="the llama-quantize binary")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a folder with the tokenizer files (default: the default model's)",
+    )
+    parser.add_argument(
+        "--llama-cpp", type=Path, help="llama.cpp's source folder (has convert_hf_to_gguf.py)"
+    )
+    parser.add_argument("--quantize", type=Path, help="the llama-quantize binary")
     parser.add_argument("--types", default="Q4_0,Q4_K_M,Q8_0")
     parser.add_argument("--keep-bf16", action="store_true")
     args = parser.parse_args(argv)
+    if args.hf_only:
+        hf = write_hf_dir(args.size, args.out, tokenizer_dir=args.tokenizer)
+        print(f"{hf}: a random-weight stand-in of the {args.size} shape (Hugging Face, bf16)")
+        return 0
+    if args.llama_cpp is None or args.quantize is None:
+        parser.error("--llama-cpp and --quantize are needed for the GGUF files (or --hf-only)")
     files = make_ggufs(args.size, args.out, args.llama_cpp, args.quantize, args.types.split(","))
     if not args.keep_bf16:
         (args.out / f"{args.size}-standin.BF16.gguf").unlink()

