@@ -14,6 +14,11 @@
 # Older drivers or Volta/Pascal GPUs: add a PyTorch CUDA 12.6 wheel index, e.g.
 #   docker build --build-arg TORCH_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu126 ...
 #
+# On the GPU, attention runs the Triton kernels over the paged KV cache (triton comes with the
+# torch wheel) and decode steps replay CUDA graphs captured at start-up; the start-up log names
+# both ("attention triton, ..., CUDA graphs for decode batches 1..256"). Opt out with
+# `--enforce-eager` or `--attention-backend sdpa` after the image name.
+#
 # One stage: the image's bulk is torch and its CUDA libraries, which the server needs at run
 # time; nothing is compiled, so a build stage would only shed pip's cache, which is off anyway.
 #
