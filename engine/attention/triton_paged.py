@@ -218,6 +218,23 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
     return _Plan(tiles, len(fields["req"]), BLOCK_M, 1)
 
 
+def attention_constexprs(
+    plan: _Plan, group: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> dict[str, object]:
+    """`_paged_attention_kernel`'s compile-time arguments for a step's plan: one compiled
+    kernel per distinct value (tests/engine/test_triton_compile.py compiles them for GPUs)."""
+    return {
+        "GROUP": group,
+        "TOKENS": plan.tokens,
+        "ROWS": max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group)),
+        "BLOCK_N": block_size,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),  # tl.dot: K and N of 16 at least
+        "NUM_SPLITS": plan.num_splits,
+        "DECODE": plan.tiles is None,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
 def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     """`write_kv` as one kernel launch: rows `[T, kvh, d]` to their flat slots."""
     num_tokens = k.shape[0]
@@ -269,22 +286,19 @@ class TritonBackend(AttentionBackend):
             target, lse = out, out  # lse is not written without splits
         # A decode-only step's kernel reads no tile tensor: any pointer stands in.
         t = plan.tiles or dict.fromkeys(("req", "start", "len", "pos"), meta.seq_lens)
-        block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
-        rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
+        consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype)
         _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
             q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,
             t["req"], t["start"], t["len"], t["pos"],
             scale, num_heads, head_dim,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            target.stride(0), target.stride(1), meta.block_tables.stride(0),
-            GROUP=group, TOKENS=plan.tokens, ROWS=rows, BLOCK_N=meta.block_size,
-            BLOCK_D=block_d, NUM_SPLITS=splits, DECODE=plan.tiles is None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            target.stride(0), target.stride(1), meta.block_tables.stride(0), **consts,
         )  # fmt: skip
         if splits > 1:
             _merge_splits_kernel[(meta.num_reqs, num_heads)](
                 target, lse, out, num_heads, head_dim,
                 target.stride(0), target.stride(1), out.stride(0), out.stride(1),
-                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_D=consts["BLOCK_D"],
             )  # fmt: skip
         return out

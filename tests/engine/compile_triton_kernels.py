@@ -1,0 +1,98 @@
+"""Compile the Triton backend's kernels for NVIDIA GPUs on a machine without one.
+
+    python -m tests.engine.compile_triton_kernels [sm_90 ...]
+
+Triton lowers a kernel to PTX and assembles it with the ptxas its wheel brings, with no
+GPU needed: this compiles `_paged_attention_kernel` for the compile-time arguments real
+steps give it (`attention_constexprs`: decode batches with and without splits, prefill
+tiles; the head layouts of the default model and of 1B/8B/Qwen shapes; bf16, fp16,
+float32), the split merge and the KV write, and prints one line per kernel. It must run
+without TRITON_INTERPRET (under the interpreter a kernel is not compiled at all), which is
+why tests/engine/test_triton_compile.py runs it in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine.attention import AttentionMetadata
+from engine.attention import triton_paged as tp
+
+# (num_heads, num_kv_heads, head_dim): SmolLM2-135M, TinyLlama-1.1B, Llama-3-8B, Qwen2.5-0.5B
+LAYOUTS = [(9, 3, 64), (32, 4, 64), (32, 8, 128), (14, 2, 64)]
+TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def steps() -> dict[str, AttentionMetadata]:
+    """A decode step split over a long context, a batch of decodes, and a mixed step."""
+
+    def meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        tables = [list(range(-(-s // 16))) for s in seq_lens]
+        return AttentionMetadata.build(q_lens, seq_lens, tables, 16, "cpu")
+
+    return {
+        "decode-split": meta([1], [2000]),
+        "decode": meta([1] * 64, [2000] * 64),
+        "prefill": meta([1, 300], [40, 300]),
+    }
+
+
+def attention_signature(dtype: str, split: bool) -> dict[str, str]:
+    types = {}
+    for name in tp._paged_attention_kernel.arg_names:
+        if name.isupper():
+            types[name] = "constexpr"
+        elif name in ("q_ptr", "k_cache_ptr", "v_cache_ptr"):
+            types[name] = f"*{dtype}"
+        elif name in ("out_ptr", "lse_ptr"):  # split partials and their lse are float32
+            types[name] = "*fp32" if split else f"*{dtype}"
+        elif name.endswith("_ptr"):
+            types[name] = "*i32"
+        else:
+            types[name] = "fp32" if name == "scale" else "i32"
+    return types
+
+
+def compile_all(arch: str) -> int:
+    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+    count = 0
+    for dtype, name in TRITON_DTYPES.items():
+        layouts = LAYOUTS if dtype == torch.bfloat16 else LAYOUTS[1:2]
+        for heads, kv_heads, head_dim in layouts:
+            for step, meta in steps().items():
+                plan = tp.plan_step(meta, kv_heads)
+                consts = tp.attention_constexprs(plan, heads // kv_heads, head_dim, 16, dtype)
+                signature = attention_signature(name, plan.num_splits > 1)
+                triton.compile(
+                    ASTSource(tp._paged_attention_kernel, signature, consts), target=target
+                )
+                print(f"{arch} attention {name} {heads}/{kv_heads}x{head_dim} {step}: {consts}")
+                count += 1
+    merge = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}
+    merge |= {n: "i32" for n in tp._merge_splits_kernel.arg_names if n not in merge}
+    merge |= dict.fromkeys(("NUM_SPLITS", "BLOCK_S", "BLOCK_D"), "constexpr")
+    consts = {"NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 64}
+    triton.compile(ASTSource(tp._merge_splits_kernel, merge, consts), target=target)
+    write = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), "*bf16")
+    write |= {"slot_ptr": "*i64", "row_elems": "i32", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(tp._write_kv_kernel, write, {"BLOCK": 1024}), target=target)
+    print(f"{arch} merge and write_kv compiled")
+    return count + 2
+
+
+def main(archs: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    total = sum(compile_all(arch) for arch in archs or ["sm_90"])
+    print(f"compiled {total} kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+"""The Triton kernels compile for a Hopper GPU (sm_90: the H100s and H200s this project is
+lent) on this machine, which has none: Triton's own ptxas assembles the PTX. The tests
+under the interpreter check what the kernels compute; this checks that the GPU compiler
+takes them, for the compile-time arguments real steps give them
+(tests/engine/compile_triton_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton comes with torch's CUDA build and xgrammar")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_kernels_compile_for_sm_90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engine.compile_triton_kernels", "sm_90"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "compiled 20 kernels"
+    assert any("decode-split" in line and "'NUM_SPLITS': 8" in line for line in lines)
+    assert any("32/8x128 prefill" in line and "'BLOCK_D': 128" in line for line in lines)
+    assert any("14/2x64 prefill" in line and "'ROWS': 128" in line for line in lines)  # GQA 7
