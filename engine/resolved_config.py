@@ -63,8 +63,7 @@ class ResolvedConfig:
         (`triton_applies`): paged attention from the block table, decode steps in CUDA
         graphs. Any other "auto" the registry resolves per head layout (cpu-paged or sdpa)."""
         asked = self.engine.attention_backend
-        block_size, int8_kv = self.engine.block_size, self.engine.kv_cache_quantized
-        if asked == "auto" and triton_applies(self.device, block_size, int8_kv):
+        if asked == "auto" and triton_applies(self.device, self.engine.kv_cache_quantized):
             return "triton"
         return asked
 
@@ -93,13 +92,11 @@ class ResolvedConfig:
         )
 
 
-def triton_applies(device: torch.device, block_size: int, kv_cache_quantized: bool) -> bool:
+def triton_applies(device: torch.device, kv_cache_quantized: bool) -> bool:
     """Whether the triton backend serves here: a CUDA device with triton installed (it comes
-    with torch's CUDA build), KV blocks of 16 tokens or more (one tl.dot tile of keys), a
-    float KV cache (it reads no int8 rows)."""
+    with torch's CUDA build) and a float KV cache (it reads no int8 rows)."""
     return (
         is_cuda(device)
-        and block_size >= 16
         and not kv_cache_quantized
         and importlib.util.find_spec("triton") is not None
     )

@@ -4,10 +4,13 @@ Three kernels, and no gathered copy of any request's K/V:
 - `_write_kv_kernel`: the step's new K/V rows into the paged cache at their flat slots
   (`slot_mapping`), one program per token;
 - `_paged_attention_kernel`: query tokens against their request's blocks, causal by
-  position, with an online softmax over one KV block (`block_size` keys) at a time. One
-  program per (tile of up to `BLOCK_M` query tokens of one request, KV head): the query
-  heads of that KV head (GQA) share every K/V block it loads. Decodes and prefill chunks
-  over a cached prefix go in one launch (mixed steps included);
+  position, with an online softmax over a tile of `BLOCK_N` keys at a time. Each key finds
+  its block in the block table on its own, so a tile spans several small KV blocks (or
+  part of a large one): the tile is sized for the GPU (64 keys for decodes), the block
+  for the cache, any power of two. One program per (tile of up to `BLOCK_M` query tokens
+  of one request, KV head): the query heads of that KV head (GQA) share every K/V tile it
+  loads. Decodes and prefill chunks over a cached prefix go in one launch (mixed steps
+  included);
 - split-K for decode-only steps with few requests: each decode's context is cut into
   `num_splits` parts, one program each, which write a partial output and its
   log-sum-exp; `_merge_splits_kernel` combines them. Long contexts then keep the GPU
@@ -40,7 +43,6 @@ from engine.attention.metadata import AttentionMetadata
 
 BLOCK_M = 16  # query tokens per prefill tile
 MIN_ROWS = 16  # tl.dot's smallest M on a GPU: a tile's (token, head) rows are padded to it
-MIN_BLOCK_SIZE = 16  # a KV block is one tl.dot tile of keys: 16 at least
 SPLIT_KEYS = 256  # a decode's keys per split, at least
 MAX_SPLITS = 16
 # Decode programs (requests x KV heads) that keep a GPU busy without splits. A constant,
@@ -68,6 +70,7 @@ def _paged_attention_kernel(
     scale, num_heads, head_dim,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     DECODE: tl.constexpr,
 ):  # fmt: skip
@@ -113,10 +116,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
     for start in range(k_begin, k_end, BLOCK_N):
-        block = tl.load(block_tables_ptr + req * stride_bt + start // BLOCK_N).to(tl.int64)
         k_pos = start + n
-        kv_ok = (k_pos < k_end)[:, None] & d_ok[None, :]
-        offs = block * stride_kb + n[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        in_range = k_pos < k_end
+        # Each key's block (PAGE keys each) from the request's row of the block table.
+        block = tl.load(block_tables_ptr + req * stride_bt + k_pos // PAGE, mask=in_range,
+                        other=0).to(tl.int64)  # fmt: skip
+        kv_ok = in_range[:, None] & d_ok[None, :]
+        offs = (block[:, None] * stride_kb + (k_pos % PAGE)[:, None] * stride_ks
+                + kv_head * stride_kh + d[None, :])  # fmt: skip
         # Multiplied in float32: TF32 for a bf16 / fp16 cache, whose values TF32 holds
         # exactly (so only the probabilities round, to 10 bits rather than bf16's 7); IEEE
         # float32 for a float32 model, whose tokens must equal transformers'. (Triton's
@@ -221,17 +228,27 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
 def attention_constexprs(
     plan: _Plan, group: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> dict[str, object]:
-    """`_paged_attention_kernel`'s compile-time arguments for a step's plan: one compiled
-    kernel per distinct value (tests/engine/test_triton_compile.py compiles them for GPUs)."""
+    """`_paged_attention_kernel`'s compile-time arguments for a step's plan, and its warps:
+    one compiled kernel per distinct value (tests/engine/test_triton_compile.py compiles
+    them for GPUs)."""
+    rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
     return {
         "GROUP": group,
         "TOKENS": plan.tokens,
-        "ROWS": max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group)),
-        "BLOCK_N": block_size,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),  # tl.dot: K and N of 16 at least
+        "ROWS": rows,
+        # Keys per tile: as many as keep the float32 K and V tiles ([BLOCK_N, BLOCK_D]) and
+        # the scores ([ROWS, BLOCK_N]) in registers: sm_90's ptxas -v reports no spills for
+        # the 135M, 1B, 8B and Qwen layouts (about 100-250 registers), 64 keys spilled.
+        "BLOCK_N": max(16, min(2048 // rows, 2048 // block_d)),  # tl.dot: 16 at least
+        "PAGE": block_size,
+        "BLOCK_D": block_d,
         "NUM_SPLITS": plan.num_splits,
         "DECODE": plan.tiles is None,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        # Large prefill tiles' [ROWS, BLOCK_D] float32 accumulators over 8 warps rather than
+        # 4, at most 64 values a thread (128 x 64 rows spilled in float32 on 4 warps).
+        "num_warps": 8 if rows * block_d >= 8192 else 4,
     }
 
 
@@ -257,9 +274,6 @@ class TritonBackend(AttentionBackend):
         self._plan: _Plan | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        if meta.block_size < MIN_BLOCK_SIZE:
-            raise ValueError(f"the triton attention backend needs block_size >= "
-                             f"{MIN_BLOCK_SIZE} (tl.dot's smallest tile), got {meta.block_size}")  # fmt: skip
         self._plan = plan_step(meta, self.num_kv_heads)
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:

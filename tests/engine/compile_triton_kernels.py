@@ -6,7 +6,8 @@ Triton lowers a kernel to PTX and assembles it with the ptxas its wheel brings, 
 GPU needed: this compiles `_paged_attention_kernel` for the compile-time arguments real
 steps give it (`attention_constexprs`: decode batches with and without splits, prefill
 tiles; the head layouts of the default model and of 1B/8B/Qwen shapes; bf16, fp16,
-float32), the split merge and the KV write, and prints one line per kernel. It must run
+float32), the split merge and the KV write, and prints one line per kernel with the
+registers and spilled bytes ptxas reports for the attention kernel. It must run
 without TRITON_INTERPRET (under the interpreter a kernel is not compiled at all), which is
 why tests/engine/test_triton_compile.py runs it in a child process.
 """
@@ -14,11 +15,15 @@ why tests/engine/test_triton_compile.py runs it in a child process.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from engine.attention import AttentionMetadata
@@ -59,6 +64,19 @@ def attention_signature(dtype: str, split: bool) -> dict[str, str]:
     return types
 
 
+def registers_and_spills(ptx: str, arch: int) -> tuple[int, int]:
+    """What ptxas -v reports for the kernel: registers per thread, bytes spilled (stored)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".o"]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return registers, spills
+
+
 def compile_all(arch: str) -> int:
     target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
     count = 0
@@ -69,10 +87,15 @@ def compile_all(arch: str) -> int:
                 plan = tp.plan_step(meta, kv_heads)
                 consts = tp.attention_constexprs(plan, heads // kv_heads, head_dim, 16, dtype)
                 signature = attention_signature(name, plan.num_splits > 1)
-                triton.compile(
-                    ASTSource(tp._paged_attention_kernel, signature, consts), target=target
+                warps = {"num_warps": consts.pop("num_warps")}
+                kernel = triton.compile(
+                    ASTSource(tp._paged_attention_kernel, signature, consts),
+                    target=target,
+                    options=warps,
                 )
-                print(f"{arch} attention {name} {heads}/{kv_heads}x{head_dim} {step}: {consts}")
+                regs, spills = registers_and_spills(kernel.asm["ptx"], target.arch)
+                print(f"{arch} attention {name} {heads}/{kv_heads}x{head_dim} {step}: {consts}, "
+                      f"{warps['num_warps']} warps, {regs} registers, {spills} bytes spilled")  # fmt: skip
                 count += 1
     merge = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}
     merge |= {n: "i32" for n in tp._merge_splits_kernel.arg_names if n not in merge}

@@ -78,7 +78,7 @@ def test_auto_is_triton_on_cuda_where_it_applies(model_dir):
         return dataclasses.replace(resolved, device=torch.device("cuda")).attention_backend
 
     assert on_cuda() == "triton"
-    assert on_cuda(block_size=8) == "auto"  # below a tl.dot tile: the registry's choice
+    assert on_cuda(block_size=8) == "triton"  # its key tiles span several small blocks
     assert on_cuda(kv_cache_dtype="int8") == "auto"  # triton reads no int8 rows
     assert on_cuda(attention_backend="sdpa") == "sdpa"  # asked for
 

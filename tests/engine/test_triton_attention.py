@@ -23,7 +23,7 @@ from tests.engine.test_attention import make_batch  # noqa: E402
 
 pytestmark = pytest.mark.device
 
-BS = 16  # the backend's smallest block size (one tl.dot tile of keys)
+BS = 16  # tokens per KV block (the default)
 
 
 def on_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -150,10 +150,17 @@ def test_padded_decode_rows_read_and_write_nothing(split_keys, monkeypatch, devi
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
 
-def test_block_size_below_a_tile_is_refused():
-    _, _, _, meta, _ = make_batch(random.Random(1), [(1, 5)], 4, 2, 16, torch.float32, 4)
-    with pytest.raises(ValueError, match="block_size >= 16"):
-        TritonBackend(4, 2).prepare(meta)
+@pytest.mark.parametrize("block_size", [4, 32, 128])
+def test_key_tiles_span_small_blocks_and_part_of_large_ones(block_size, device):
+    # A tile is 16-64 keys whatever the block size: each key finds its own block.
+    for step in (STEPS["mixed"], STEPS["decodes"]):
+        q, k_cache, v_cache, meta, _ = make_batch(random.Random(block_size), step, 6, 2, 16,
+                                                  torch.float32, block_size)  # fmt: skip
+        torch.testing.assert_close(
+            triton_attend(q, k_cache, v_cache, meta, 0.25, device),
+            reference_paged_attention(q, k_cache, v_cache, meta, 0.25),
+            atol=1e-5, rtol=1e-5,
+        )  # fmt: skip
 
 
 def test_a_model_on_the_triton_backend_gives_the_reference_tokens(tmp_path, device):

@@ -2,7 +2,7 @@
 lent) on this machine, which has none: Triton's own ptxas assembles the PTX. The tests
 under the interpreter check what the kernels compute; this checks that the GPU compiler
 takes them, for the compile-time arguments real steps give them
-(tests/engine/compile_triton_kernels.py)."""
+(tests/engine/compile_triton_kernels.py), and that ptxas spills no register."""
 
 from __future__ import annotations
 
@@ -31,3 +31,8 @@ def test_the_kernels_compile_for_sm_90(tmp_path):
     assert any("decode-split" in line and "'NUM_SPLITS': 8" in line for line in lines)
     assert any("32/8x128 prefill" in line and "'BLOCK_D': 128" in line for line in lines)
     assert any("14/2x64 prefill" in line and "'ROWS': 128" in line for line in lines)  # GQA 7
+    attention = [line for line in lines if " attention " in line]
+    assert len(attention) == 18
+    # The tile sizes keep every variant in registers (spills would be local-memory traffic
+    # on every key tile).
+    assert all(line.endswith(" 0 bytes spilled") for line in attention), "\n".join(attention)
