@@ -110,8 +110,7 @@ def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_referenc
 def test_prefix_hits_keep_tokens_identical(tiny_model, device, backend):
     prompts = random_prompts(seed=11, n=8, vocab=1000, shared_prefix=48)
     expected = hf_greedy(tiny_model, prompts, NEW_TOKENS, device=device)
-    block_size = 16 if backend == "triton" else 8  # triton's smallest block is 16
-    llm = LLM(model=str(tiny_model), dtype="float32", block_size=block_size, num_blocks=128,
+    llm = LLM(model=str(tiny_model), dtype="float32", block_size=8, num_blocks=128,
               device=str(device), attention_backend=backend)  # fmt: skip
     # Warm the cache with the first prompt, then run the batch that shares its prefix.
     assert engine_greedy(llm, prompts[:1], NEW_TOKENS) == expected[:1]
