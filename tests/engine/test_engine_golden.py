@@ -88,7 +88,7 @@ def test_batch_matches_transformers(tiny_model, tiny_reference, device, backend)
     assert_all_blocks_free(llm)
 
 
-def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_reference, device):
+def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_reference, device, backend):
     prompts, expected = tiny_reference
     # 12 blocks of 4 tokens cannot hold ten 30-60-token requests at once: the
     # scheduler must preempt; a 16-token budget chunks every longer prompt.
@@ -99,6 +99,7 @@ def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_referenc
         num_blocks=24,
         max_num_batched_tokens=16,
         device=str(device),
+        attention_backend=backend,
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     sched = llm.engine.scheduler
@@ -123,7 +124,7 @@ def test_prefix_hits_keep_tokens_identical(tiny_model, device, backend):
     assert_all_blocks_free(llm)
 
 
-def test_all_three_mechanisms_at_once(tiny_model, device):
+def test_all_three_mechanisms_at_once(tiny_model, device, backend):
     prompts = random_prompts(seed=13, n=8, vocab=1000, shared_prefix=20)
     expected = hf_greedy(tiny_model, prompts, NEW_TOKENS, device=device)
     llm = LLM(
@@ -133,6 +134,7 @@ def test_all_three_mechanisms_at_once(tiny_model, device):
         num_blocks=26,
         max_num_batched_tokens=12,
         device=str(device),
+        attention_backend=backend,
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     assert llm.engine.scheduler.num_preemptions > 0
