@@ -5,8 +5,9 @@ launches about ten kernels per layer from Python, each a few microseconds of CPU
 few microseconds of GPU work. A CUDA graph records the whole forward once and replays it
 in one launch. As in nano-vllm and vLLM, the forward is captured for decode-only batches
 of a fixed set of sizes (`capture_sizes`), reading every input from persistent buffers
-(`DecodeBuffers`). A step of n decodes copies its inputs into the buffers, pads them to
-the next captured size and replays that size's graph; steps with prefills, and batches
+(`DecodeBuffers`). A step of n decodes writes its inputs into the buffers' host twins,
+pads them to the next captured size, copies them over in two copies and replays that
+size's graph (no `AttentionMetadata` is built for it); steps with prefills, and batches
 above the largest size, run eagerly.
 
 A padding row is token 0 at position 0 with context length 0 and slot -1: attention reads
@@ -28,13 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import is_cuda
+from engine.config import is_cuda, uses_pinned_memory
+from scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,31 +87,46 @@ class CudaGraphCapture:
         return graph.replay, out
 
 
-@dataclass
 class DecodeBuffers:
-    """The persistent inputs every captured graph reads, sized for the largest batch.
-    A step overwrites rows 0..n-1 and pads rows n..size-1."""
+    """The persistent inputs every captured graph reads, sized for the largest batch, and
+    their host twins. A step writes rows 0..n-1 and pads rows n..size-1 on the host, then
+    two copies move them: `longs` (token ids, positions, slots) and `ints` (context lengths,
+    then the block tables), so a replay costs two copies, not one per field."""
 
-    input_ids: torch.Tensor  # [max] int64
-    positions: torch.Tensor  # [max] int64
-    slot_mapping: torch.Tensor  # [max] int64; -1 on padding rows: nothing written
-    seq_lens: torch.Tensor  # [max] int32; 0 on padding rows: nothing read
-    block_tables: torch.Tensor  # [max, blocks per sequence] int32
-    query_start_loc: torch.Tensor  # [max + 1] int32: 0, 1, 2, ... (one token per request)
-
-    @classmethod
-    def allocate(cls, max_size: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(
-            input_ids=zeros(max_size, dtype=torch.long),
-            positions=zeros(max_size, dtype=torch.long),
-            slot_mapping=torch.full((max_size,), -1, dtype=torch.long, device=device),
-            seq_lens=zeros(max_size, dtype=torch.int32),
-            block_tables=zeros(max_size, max_blocks, dtype=torch.int32),
-            query_start_loc=torch.arange(max_size + 1, dtype=torch.int32, device=device),
+    def __init__(self, max_size: int, max_blocks: int, device: torch.device) -> None:
+        self.max_size, self.max_blocks = max_size, max_blocks
+        pinned = uses_pinned_memory(device)
+        # Rows: token ids, positions, slots (-1 on padding rows: nothing written).
+        self._host_longs = torch.zeros(3, max_size, dtype=torch.long, pin_memory=pinned)
+        # Context lengths (0 on padding rows: nothing read), then [max_size, max_blocks]
+        # block tables, so the lengths and a step's first rows of tables are one prefix.
+        self._host_ints = torch.zeros(
+            max_size * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned
         )
+        self._host_longs[2] = -1
+        self.longs = self._host_longs.to(device)
+        self.ints = self._host_ints.to(device)
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.longs[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.longs[1]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.longs[2]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.ints[: self.max_size]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.ints[self.max_size :].view(self.max_size, self.max_blocks)
 
     def metadata(self, size: int, max_seq_len: int, block_size: int) -> AttentionMetadata:
         """The metadata a graph of `size` decodes is captured with: views of the buffers,
@@ -122,7 +138,7 @@ class DecodeBuffers:
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
             # Backends that plan from the host table do not capture (`cuda_graphs`).
-            block_tables_host=np.zeros((size, self.block_tables.shape[1]), dtype=np.int64),
+            block_tables_host=np.zeros((size, self.max_blocks), dtype=np.int64),
             positions=self.positions[:size],
             query_lens=[1] * size,
             seq_lens_list=[max_seq_len] * size,
@@ -133,20 +149,32 @@ class DecodeBuffers:
             num_decodes=size,
         )
 
-    def load(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
-        """Copy a step of n = meta.num_reqs decodes into rows 0..n-1; pad rows n..size-1."""
-        n = meta.num_reqs
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if n < size:  # the previous step's rows must not be replayed as real requests
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].zero_()
+    def load(self, scheduled: list[ScheduledRequest], size: int, block_size: int) -> None:
+        """Write a step of n one-token requests into rows 0..n-1, pad rows n..size-1, and
+        copy both buffers to the device. The copies wait for the device (not non_blocking):
+        a step that samples nothing (a prompt's one-token chunk) syncs nowhere else, and
+        the next step must not rewrite a host twin while its copy is still queued."""
+        n = len(scheduled)
+        longs = self._host_longs.numpy()
+        ints = self._host_ints.numpy()
+        seq_lens = ints[: self.max_size]
+        tables = ints[self.max_size :].reshape(self.max_size, self.max_blocks)
+        positions = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        for row, s in enumerate(scheduled):
+            tables[row, : len(s.block_ids)] = s.block_ids
+        longs[0, :n] = [s.token_ids[0] for s in scheduled]
+        longs[1, :n] = positions
+        longs[2, :n] = tables[np.arange(n), positions // block_size] * block_size + (
+            positions % block_size
+        )
+        seq_lens[:n] = positions + 1
+        # The previous step's rows must not be replayed as real requests.
+        longs[0:2, n:size] = 0
+        longs[2, n:size] = -1
+        seq_lens[n:size] = 0
+        self.longs.copy_(self._host_longs)
+        used = self.max_size + size * self.max_blocks  # the lengths and `size` rows of tables
+        self.ints[:used].copy_(self._host_ints[:used])
 
 
 class CudaGraphRunner:
@@ -167,7 +195,7 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], max_blocks, device)
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, device)
         # size -> (replay, the hidden states [size, H] each replay writes)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
@@ -203,19 +231,23 @@ class CudaGraphRunner:
     def captured(self) -> list[int]:
         return sorted(self._graphs)
 
-    def graph_size(self, meta: AttentionMetadata) -> int | None:
-        """The captured size this step replays at, or None: run it eagerly."""
-        if meta.num_decodes != meta.num_reqs or not self._graphs:
+    def graph_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured size this step replays at, or None: run it eagerly (a step with a
+        prefill, a batch above the largest size, a table longer than the buffers')."""
+        if not self._graphs or any(len(s.token_ids) != 1 for s in scheduled):
             return None
-        return next((s for s in self.sizes if s >= meta.num_reqs and s in self._graphs), None)
+        if any(len(s.block_ids) > self.buffers.max_blocks for s in scheduled):
+            return None
+        n = len(scheduled)
+        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """The step's hidden states ``[n, H]`` from a replay, or None where no graph fits.
         The result is a view of the graph's output: read it before the next step."""
-        size = self.graph_size(meta)
-        if size is None or meta.block_tables.shape[1] > self.buffers.block_tables.shape[1]:
+        size = self.graph_size(scheduled)
+        if size is None:
             return None
-        self.buffers.load(input_ids, meta, size)
+        self.buffers.load(scheduled, size, self.block_size)
         replay, hidden = self._graphs[size]
         replay()
-        return hidden[: meta.num_reqs]
+        return hidden[: len(scheduled)]

@@ -60,18 +60,28 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         if not out.scheduled:
             return {}
-        input_ids, meta = self._prepare_inputs(out)
-        hidden = self.graphs.run(input_ids, meta) if self.graphs is not None else None
-        if hidden is None:  # eager: prefills, large batches, or no graphs
-            # The step's host-side attention planning, once: the layers then only run tensor work.
-            self.model.attn_backend.prepare(meta)
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         sampled = [s for s in out.scheduled if s.sample]
+        hidden = self._forward(out)
         if not sampled:
             return {}
-        last_index = self._sample_indices(out, meta)
-        logits = self.model.compute_logits(hidden[last_index])
+        logits = self.model.compute_logits(hidden)
         return self._sample(sampled, logits) if self.samples else {}
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """The hidden states of the step's sampled positions: each sampled request's last."""
+        graphs = self.graphs
+        hidden = graphs.run(out.scheduled) if graphs is not None else None
+        if hidden is not None:  # a decode-only step, replayed: row r is request r
+            rows = [r for r, s in enumerate(out.scheduled) if s.sample]
+            if len(rows) == len(out.scheduled):
+                return hidden
+            return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+        # Eager: prefills, large batches, or no graphs.
+        input_ids, meta = self._prepare_inputs(out)
+        # The step's host-side attention planning, once: the layers then only run tensor work.
+        self.model.attn_backend.prepare(meta)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        return hidden[self._sample_indices(out, meta)]
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
         scheduled = out.scheduled

@@ -136,6 +136,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "host staging: the step's token ids are written into the reusable (pinned on CUDA) "
         "host buffer through its numpy view, then copied to the device with non_blocking=True"
     ),
+    ("engine/cuda_graphs.py", "DecodeBuffers.load", ".numpy()"): (
+        "host staging: a decode step's inputs are written into the host twins (pinned on "
+        "CUDA) of the graphs' buffers through their numpy views, then copied to the device"
+    ),
     ("engine/sampling_metadata.py", "_padded", "torch.as_tensor without device="): (
         "host staging: the per-request id lists are padded on the host and the padded batch "
         "is moved with one .to(device) two lines below"

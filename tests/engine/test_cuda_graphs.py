@@ -27,6 +27,7 @@ from engine.cuda_graphs import (  # noqa: E402
     graphs_off_reason,
 )
 from engine.resolved_config import ResolvedConfig  # noqa: E402
+from scheduler import ScheduledRequest  # noqa: E402
 from tests.engine.tiny_models import make_tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.device
@@ -83,37 +84,43 @@ def test_auto_is_triton_on_cuda_where_it_applies(model_dir):
     assert on_cuda(attention_backend="sdpa") == "sdpa"  # asked for
 
 
-def decode_meta(seq_lens: list[int], block_size: int = 16) -> AttentionMetadata:
-    tables = [[10 + r * 4 + b for b in range(-(-s // block_size))] for r, s in enumerate(seq_lens)]
-    return AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size, "cpu")
+def decodes(seq_lens: list[int], block_size: int = 16) -> list[ScheduledRequest]:
+    """A decode step: request r holds seq_lens[r] tokens after it, in blocks 10 + 4r, ..."""
+    return [
+        ScheduledRequest(None, str(r), [100 + r], s - 1,
+                         tuple(10 + r * 4 + b for b in range(-(-s // block_size))), True)
+        for r, s in enumerate(seq_lens)
+    ]  # fmt: skip
 
 
 def test_a_step_is_copied_in_and_padded_to_its_size():
-    buffers = DecodeBuffers.allocate(8, max_blocks=4, device=torch.device("cpu"))
-    big = decode_meta([40, 17, 33, 5])
-    buffers.load(torch.tensor([7, 8, 9, 10]), big, size=4)
-    small = decode_meta([41, 18, 34])  # one request finished: row 3 now pads
-    buffers.load(torch.tensor([11, 12, 13]), small, size=4)
-    assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
+    buffers = DecodeBuffers(8, max_blocks=4, device=torch.device("cpu"))
+    buffers.load(decodes([40, 17, 33, 5]), size=4, block_size=16)
+    small = decodes([41, 18, 34])  # one request finished: row 3 now pads
+    buffers.load(small, size=4, block_size=16)
+    want = AttentionMetadata.build([1] * 3, [41, 18, 34], [s.block_ids for s in small], 16, "cpu")
+    assert buffers.input_ids[:4].tolist() == [100, 101, 102, 0]
     assert buffers.positions[:4].tolist() == [40, 17, 33, 0]
     assert buffers.seq_lens[:4].tolist() == [41, 18, 34, 0]  # a padding row reads nothing
-    assert buffers.slot_mapping[:4].tolist() == [*small.slot_mapping.tolist(), -1]  # writes nothing
-    assert buffers.block_tables[:3, :3].tolist() == small.block_tables.tolist()
+    assert buffers.slot_mapping[:4].tolist() == [*want.slot_mapping.tolist(), -1]  # writes nothing
+    assert buffers.block_tables[:3, :3].tolist() == want.block_tables.tolist()
+    assert buffers.slot_mapping[4:].tolist() == [-1] * 4  # never written: never loaded
 
 
 def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir):
     engine = tiny_engine(model_dir, max_num_seqs=6)
     graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16, 128, 6,
                              torch.device("cpu"))  # fmt: skip
-    assert graphs.graph_size(decode_meta([5])) is None  # nothing captured yet
+    assert graphs.graph_size(decodes([5])) is None  # nothing captured yet
     capture = RerunCapture()
     graphs.capture(capture)
     assert capture.captured == [6, 4, 2, 1]  # largest first: the pool's order
-    assert graphs.graph_size(decode_meta([5] * 3)) == 4
-    assert graphs.graph_size(decode_meta([5] * 6)) == 6
-    mixed = AttentionMetadata.build([1, 4], [9, 4], [[1], [2]], 16, "cpu")
-    assert graphs.graph_size(mixed) is None  # a prefill in the step: eager
-    assert graphs.graph_size(decode_meta([5] * 7)) is None  # above the largest: eager
+    assert graphs.graph_size(decodes([5] * 3)) == 4
+    assert graphs.graph_size(decodes([5] * 6)) == 6
+    prefill = ScheduledRequest(None, "p", [1, 2, 3, 4], 0, (7,), True)
+    assert graphs.graph_size([*decodes([9]), prefill]) is None  # a prefill in the step: eager
+    assert graphs.graph_size(decodes([5] * 7)) is None  # above the largest: eager
+    assert graphs.graph_size(decodes([129])) is None  # a table longer than the buffers'
 
 
 @pytest.fixture(scope="module")
