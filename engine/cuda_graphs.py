@@ -104,6 +104,11 @@ class DecodeBuffers:
             max_size * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned
         )
         self._host_longs[2] = -1
+        # Per row: the request and the block table (the KV manager's tuple, replaced when
+        # blocks are added, never mutated) its row of the host tables holds, so a step
+        # writes only what changed: converting every table's ints would cost more than the
+        # rest of the step's host work (~190 us for 64 x 125 blocks here).
+        self._rows: list[tuple[str, tuple[int, ...]]] = [("", ())] * max_size
         self.longs = self._host_longs.to(device)
         self.ints = self._host_ints.to(device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
@@ -160,8 +165,19 @@ class DecodeBuffers:
         seq_lens = ints[: self.max_size]
         tables = ints[self.max_size :].reshape(self.max_size, self.max_blocks)
         positions = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        rows = self._rows
         for row, s in enumerate(scheduled):
-            tables[row, : len(s.block_ids)] = s.block_ids
+            table = s.block_ids
+            owner, held = rows[row]
+            if held is table:
+                continue
+            # The same request, grown by this step's new blocks only: write the new tail.
+            # Anything else (another request; a table rebuilt after preemption, whose
+            # blocks all count as new) is written whole.
+            grown = owner == s.request_id and len(table) - s.num_new_blocks == len(held)
+            start = len(held) if grown else 0
+            tables[row, start : len(table)] = table[start:]
+            rows[row] = (s.request_id, table)
         longs[0, :n] = [s.token_ids[0] for s in scheduled]
         longs[1, :n] = positions
         longs[2, :n] = tables[np.arange(n), positions // block_size] * block_size + (

@@ -14,6 +14,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton comes with torch's CUDA build and xgrammar")
 
@@ -105,6 +107,39 @@ def test_a_step_is_copied_in_and_padded_to_its_size():
     assert buffers.slot_mapping[:4].tolist() == [*want.slot_mapping.tolist(), -1]  # writes nothing
     assert buffers.block_tables[:3, :3].tolist() == want.block_tables.tolist()
     assert buffers.slot_mapping[4:].tolist() == [-1] * 4  # never written: never loaded
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_tables_written_are_the_requests_whatever_changed(data):
+    # A step writes only the rows whose table changed (`DecodeBuffers._rows`): requests that
+    # move to other rows, grow by this step's blocks, grow in steps the graphs did not run
+    # (eager ones), or are rebuilt after preemption. The buffers must hold every table.
+    buffers = DecodeBuffers(4, max_blocks=12, device=torch.device("cpu"))
+    tables = {str(r): (r * 20,) for r in range(6)}
+    counter = iter(range(1000, 100000))
+    for _ in range(data.draw(st.integers(1, 8))):
+        ids = data.draw(st.lists(st.sampled_from(sorted(tables)), min_size=1, max_size=4,
+                                 unique=True))  # fmt: skip
+        step = []
+        for rid in ids:
+            change = data.draw(st.sampled_from(["same", "grow", "unseen", "rebuilt"]))
+            old = tables[rid]
+            new_blocks = 0
+            if change == "grow" and len(old) < 12:  # blocks added this step
+                tables[rid] = old + (next(counter),)
+                new_blocks = 1
+            elif change == "unseen" and len(old) < 11:  # added in a step run eagerly
+                tables[rid] = old + (next(counter), next(counter))
+            elif change == "rebuilt":  # preempted and admitted again: every block is new
+                tables[rid] = tuple(next(counter) for _ in old)
+                new_blocks = len(old)
+            table = tables[rid]
+            step.append(ScheduledRequest(None, rid, [7], len(table) * 16 - 1, table, True,
+                                         new_blocks))  # fmt: skip
+        buffers.load(step, size=4, block_size=16)
+        for row, s in enumerate(step):
+            assert buffers.block_tables[row, : len(s.block_ids)].tolist() == list(s.block_ids)
 
 
 def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir):
