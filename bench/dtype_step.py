@@ -41,7 +41,6 @@ def decoding_engine(
     """An engine of `dtype`, attention `backend`, `quantization` and KV cache dtype whose
     `batch` requests are past their prefill (of `context` tokens: skipped, see above)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_runner import SampledToken
 
     prompt_tokens = context or PROMPT_TOKENS
     config = EngineConfig(
@@ -58,10 +57,20 @@ def decoding_engine(
         engine.add_request(
             str(i), [rng.randrange(100, 40000) for _ in range(prompt_tokens)], params
         )
-    runner_execute = engine.runner.execute
-    if context is not None:
+    finish_prefills(engine, rng, 40000, skip=context is not None)
+    return engine
+
+
+def finish_prefills(engine, rng: random.Random, vocab: int, skip: bool) -> None:
+    """Step `engine` until every request is past its prompt. `skip`: without running the
+    model (random sampled tokens; the cache keeps zeros), as a decode step's time does not
+    depend on the cache's values."""
+    from engine.model_runner import SampledToken
+
+    execute = engine.runner.execute
+    if skip:
         engine.runner.execute = lambda out: {
-            s.request_id: SampledToken(rng.randrange(100, 40000), None)
+            s.request_id: SampledToken(rng.randrange(100, vocab), None)
             for s in out.scheduled
             if s.sample
         }
@@ -69,8 +78,7 @@ def decoding_engine(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
     ):
         engine.step()
-    engine.runner.execute = runner_execute
-    return engine
+    engine.runner.execute = execute
 
 
 def use_torch_ops(engine) -> None:

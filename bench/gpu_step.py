@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from bench.dtype_step import finish_prefills
 from bench.machine import machine_line
 
 MODES = {  # name -> (attention_backend, enforce_eager)
@@ -95,7 +96,6 @@ def decoding_engine(
     """An engine in `mode` whose `batch` requests of `context` random prompt tokens are past
     their (skipped) prefill, with room to decode `decode_tokens` more each."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_runner import SampledToken
 
     backend, enforce_eager = MODES[mode]
     config = EngineConfig(
@@ -114,17 +114,7 @@ def decoding_engine(
     vocab = min(engine.vocab_size, 40000)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(100, vocab) for _ in range(context)], params)
-    execute = engine.runner.execute
-    engine.runner.execute = lambda out: {
-        s.request_id: SampledToken(rng.randrange(100, vocab), None)
-        for s in out.scheduled
-        if s.sample
-    }
-    while any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
-    ):
-        engine.step()
-    engine.runner.execute = execute
+    finish_prefills(engine, rng, vocab, skip=True)
     return engine
 
 

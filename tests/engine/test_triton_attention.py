@@ -43,6 +43,15 @@ def triton_attend(q, k_cache, v_cache, meta, scale, device=None):
     return backend(q, k_cache, v_cache, meta, scale).to("cpu")
 
 
+def assert_equals_reference(q, k_cache, v_cache, meta, scale, device) -> None:
+    """The backend's output on `device` equals the reference's on the host (float32)."""
+    torch.testing.assert_close(
+        triton_attend(q, k_cache, v_cache, meta, scale, device),
+        reference_paged_attention(q, k_cache, v_cache, meta, scale),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
 # (query_len, seq_len) per request: decodes on and across block boundaries, a fresh
 # prefill, chunks over a cached prefix (prefix hits), and steps mixing them.
 STEPS = {
@@ -70,11 +79,7 @@ def test_prefix_shared_blocks_are_read_in_place(device):
     q, k_cache, v_cache, meta, _ = make_batch(
         random.Random(3), [(1, 40), (7, 45), (1, 9)], 4, 2, 16, torch.float32, BS, share
     )
-    torch.testing.assert_close(
-        triton_attend(q, k_cache, v_cache, meta, 0.3, device),
-        reference_paged_attention(q, k_cache, v_cache, meta, 0.3),
-        atol=1e-5, rtol=1e-5,
-    )  # fmt: skip
+    assert_equals_reference(q, k_cache, v_cache, meta, 0.3, device)
 
 
 def test_split_k_decodes_equal_the_reference(monkeypatch, device):
@@ -84,11 +89,7 @@ def test_split_k_decodes_equal_the_reference(monkeypatch, device):
                                               torch.float32, BS)  # fmt: skip
     plan = plan_step(meta, num_kv_heads=2)
     assert plan.num_splits > 1  # the split path, with a split left empty for the short one
-    torch.testing.assert_close(
-        triton_attend(q, k_cache, v_cache, meta, 0.25, device),
-        reference_paged_attention(q, k_cache, v_cache, meta, 0.25),
-        atol=1e-5, rtol=1e-5,
-    )  # fmt: skip
+    assert_equals_reference(q, k_cache, v_cache, meta, 0.25, device)
 
 
 def test_bf16_within_bf16_tolerance(device):
@@ -156,11 +157,7 @@ def test_key_tiles_span_small_blocks_and_part_of_large_ones(block_size, device):
     for step in (STEPS["mixed"], STEPS["decodes"]):
         q, k_cache, v_cache, meta, _ = make_batch(random.Random(block_size), step, 6, 2, 16,
                                                   torch.float32, block_size)  # fmt: skip
-        torch.testing.assert_close(
-            triton_attend(q, k_cache, v_cache, meta, 0.25, device),
-            reference_paged_attention(q, k_cache, v_cache, meta, 0.25),
-            atol=1e-5, rtol=1e-5,
-        )  # fmt: skip
+        assert_equals_reference(q, k_cache, v_cache, meta, 0.25, device)
 
 
 def test_a_model_on_the_triton_backend_gives_the_reference_tokens(tmp_path, device):
@@ -189,8 +186,4 @@ def test_a_head_dim_below_a_tile_is_masked(device):
     # head_dim 8 runs in a 16-wide tile (tl.dot's smallest): the padding must not leak.
     q, k_cache, v_cache, meta, _ = make_batch(random.Random(11), STEPS["mixed"], 4, 2, 8,
                                               torch.float32, BS)  # fmt: skip
-    torch.testing.assert_close(
-        triton_attend(q, k_cache, v_cache, meta, 0.35, device),
-        reference_paged_attention(q, k_cache, v_cache, meta, 0.35),
-        atol=1e-5, rtol=1e-5,
-    )  # fmt: skip
+    assert_equals_reference(q, k_cache, v_cache, meta, 0.35, device)
