@@ -79,10 +79,7 @@ class EngineCore:
             model, kv_caches, engine.block_size, config.device, engine.max_num_batched_tokens,
             self.structured_outputs,
         )  # fmt: skip
-        self.graphs_off = graphs_off_reason(
-            config.device, engine.enforce_eager, model.attn_backend.cuda_graphs, tp_size > 1
-        )
-        if self.graphs_off is None:
+        if self._graphs_off() is None:
             self.runner.graphs = graphs = CudaGraphRunner(
                 model, kv_caches, engine.block_size, config.max_model_len,
                 engine.max_num_seqs, config.device,
@@ -138,10 +135,18 @@ class EngineCore:
             parts.append(self._graphs_summary())
         return ", ".join(parts)
 
+    def _graphs_off(self) -> str | None:
+        """Why decode steps run eagerly here, or None: they replay CUDA graphs."""
+        engine = self.config.engine
+        return graphs_off_reason(
+            self.config.device, engine.enforce_eager, self.model.attn_backend.cuda_graphs,
+            engine.tensor_parallel_size > 1,
+        )  # fmt: skip
+
     def _graphs_summary(self) -> str:
         graphs = self.runner.graphs
         if graphs is None:
-            return f"CUDA graphs off ({self.graphs_off})"
+            return f"CUDA graphs off ({self._graphs_off()})"
         sizes = graphs.captured
         return f"CUDA graphs for decode batches {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
 

@@ -26,6 +26,7 @@ replay depends on nothing but the buffers.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -250,12 +251,13 @@ class CudaGraphRunner:
     def graph_size(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured size this step replays at, or None: run it eagerly (a step with a
         prefill, a batch above the largest size, a table longer than the buffers')."""
-        if not self._graphs or any(len(s.token_ids) != 1 for s in scheduled):
+        max_blocks = self.buffers.max_blocks
+        if any(len(s.token_ids) != 1 or len(s.block_ids) > max_blocks for s in scheduled):
             return None
-        if any(len(s.block_ids) > self.buffers.max_blocks for s in scheduled):
+        index = bisect.bisect_left(self.sizes, len(scheduled))
+        if index == len(self.sizes) or self.sizes[index] not in self._graphs:
             return None
-        n = len(scheduled)
-        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
+        return self.sizes[index]
 
     def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """The step's hidden states ``[n, H]`` from a replay, or None where no graph fits.

@@ -31,8 +31,8 @@ ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
     # bf16 on CPUs with AVX512-BF16, float32 on a GGUF's blocks: decodes through the paged
     # decode kernel.
     "cpu-paged": CpuPagedBackend,
-    # Triton kernels over the block table (CUDA; on CPU only under TRITON_INTERPRET=1, as
-    # the tests run them). Opt-in until a GPU run has checked it.
+    # Triton kernels over the block table (CUDA, where "auto" picks it; on CPU only under
+    # TRITON_INTERPRET=1, as the tests run them).
     "triton": _triton_backend,
 }
 

@@ -272,9 +272,13 @@ class TritonBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         super().__init__(num_heads, num_kv_heads)
         self._plan: _Plan | None = None
+        # The step's compile-time arguments, made by its first layer call (they need the
+        # query's head_dim and dtype) and reused by the others.
+        self._consts: dict[str, object] | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._plan = plan_step(meta, self.num_kv_heads)
+        self._consts = None
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         if is_quantized(k_cache):
@@ -300,7 +304,10 @@ class TritonBackend(AttentionBackend):
             target, lse = out, out  # lse is not written without splits
         # A decode-only step's kernel reads no tile tensor: any pointer stands in.
         t = plan.tiles or dict.fromkeys(("req", "start", "len", "pos"), meta.seq_lens)
-        consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype)
+        consts = self._consts
+        if consts is None:
+            consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype)
+            self._consts = consts
         _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
             q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,
             t["req"], t["start"], t["len"], t["pos"],
