@@ -105,11 +105,11 @@ class DecodeBuffers:
             max_size * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned
         )
         self._host_longs[2] = -1
-        # Per row: the request and the block table (the KV manager's tuple, replaced when
-        # blocks are added, never mutated) its row of the host tables holds, so a step
-        # writes only what changed: converting every table's ints would cost more than the
-        # rest of the step's host work (~190 us for 64 x 125 blocks here).
-        self._rows: list[tuple[str, tuple[int, ...]]] = [("", ())] * max_size
+        # Per row: the block table (the KV manager's tuple, replaced when blocks are added,
+        # never mutated) its row of the host tables holds, so a step writes only what
+        # changed: converting every table's ints would cost more than the rest of the
+        # step's host work (~190 us for 64 x 125 blocks here).
+        self._rows: list[tuple[int, ...]] = [()] * max_size
         self.longs = self._host_longs.to(device)
         self.ints = self._host_ints.to(device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
@@ -169,16 +169,16 @@ class DecodeBuffers:
         rows = self._rows
         for row, s in enumerate(scheduled):
             table = s.block_ids
-            owner, held = rows[row]
+            held = rows[row]
             if held is table:
                 continue
-            # The same request, grown by this step's new blocks only: write the new tail.
-            # Anything else (another request; a table rebuilt after preemption, whose
-            # blocks all count as new) is written whole.
-            grown = owner == s.request_id and len(table) - s.num_new_blocks == len(held)
-            start = len(held) if grown else 0
+            # A table that extends what the row holds (the same request, grown) needs only
+            # its tail. Compared by value, not by request and block count: a request
+            # preempted and admitted again has a new table of the same length (~0.6 us for
+            # 125 blocks, paid only in steps where a table changed).
+            start = len(held) if table[: len(held)] == held else 0
             tables[row, start : len(table)] = table[start:]
-            rows[row] = (s.request_id, table)
+            rows[row] = table
         longs[0, :n] = [s.token_ids[0] for s in scheduled]
         longs[1, :n] = positions
         longs[2, :n] = tables[np.arange(n), positions // block_size] * block_size + (
