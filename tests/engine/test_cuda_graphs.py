@@ -258,3 +258,23 @@ def test_a_capture_replays_over_new_inputs(device):
     x.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0], device=device))
     replay()
     assert out.tolist() == [10.0, 12.0, 14.0, 16.0]
+
+
+def test_replays_through_preemption_give_the_eager_tokens(model_dir, device):
+    # Too few blocks for every request: a request is preempted mid-decode, admitted again
+    # with a new table and replayed again, in a row another request's table held.
+    def run(**overrides) -> dict[str, list[int]]:
+        engine = tiny_engine(model_dir, device, max_num_seqs=4, block_size=4, num_blocks=16,
+                             max_num_batched_tokens=16, **overrides)  # fmt: skip
+        capture = None
+        if device.type != "cuda" and not overrides:
+            engine.runner.graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches,
+                                                   4, engine.core.max_model_len, 4, device)  # fmt: skip
+            capture = RerunCapture()
+            engine.runner.graphs.capture(capture)
+        done = greedy_run(engine)
+        assert engine.scheduler.num_preemptions > 0
+        assert capture is None or capture.replays
+        return done
+
+    assert run() == run(enforce_eager=True)
