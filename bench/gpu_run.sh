@@ -6,8 +6,9 @@
 #
 #     OUT=/some/dir sh bench/gpu_run.sh          # default OUT: bench/results/gpu-<date>
 #
-# Stages (STAGES="tests step serve", the default, or any of them), each under a timeout so
-# one that hangs cannot eat the others' time; each writes into OUT, at most 8 files:
+# Stages (STAGES="tests step serve", the default, or any of them), each under a timeout of
+# at most 200 s and of what is left of BUDGET (570 s: one 10-minute device call), so one
+# that hangs cannot eat the others' time; together they write at most 8 files into OUT:
 #   tests  pytest --device cuda -m device: the Triton kernels compiled for the GPU against
 #          the reference, CUDA graph replays against eager steps, greedy tokens against
 #          transformers' on the same GPU (float32), sdpa and triton   -> gpu-tests.log
@@ -23,7 +24,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-$(date +%F)}
 STAGES=${STAGES:-tests step serve}
 STANDIN=${STANDIN:-/tmp/standin-1b}
+BUDGET=${BUDGET:-570}
 mkdir -p "$OUT"
+DEADLINE=$(($(date +%s) + BUDGET))
+
+# limit CAP CMD...: run CMD under a timeout of CAP seconds or what is left of BUDGET.
+limit() {
+    cap=$1
+    shift
+    left=$((DEADLINE - $(date +%s)))
+    [ "$left" -lt "$cap" ] && cap=$left
+    [ "$cap" -gt 10 ] || { echo "gpu_run: out of time (BUDGET=$BUDGET s) for: $*"; return 124; }
+    timeout "$cap" "$@"
+}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/pagedserve-site .gpu/wheels/*.whl || exit 1
@@ -38,7 +51,7 @@ export PYTHONPATH="/tmp/pagedserve-site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=
 cat "$OUT/gpu-env.txt"
 
 standin() {
-    [ -f "$STANDIN/config.json" ] || python3 -m bench.standin 1b --hf-only \
+    [ -f "$STANDIN/config.json" ] || limit 120 python3 -m bench.standin 1b --hf-only \
         --tokenizer .gpu/tokenizer --out "$STANDIN"
 }
 
@@ -46,13 +59,13 @@ for stage in $STAGES; do
     echo "== $stage"
     case $stage in
     tests)
-        timeout 240 python3 -m pytest --device cuda -m device tests/engine -q \
+        limit 200 python3 -m pytest --device cuda -m device tests/engine -q \
             -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
     step)
-        standin && timeout 300 python3 -m bench.gpu_step --model "$STANDIN" \
+        standin && limit 200 python3 -m bench.gpu_step --model "$STANDIN" \
             --out "$OUT/gpu-step.json" 2>&1 | tee "$OUT/gpu-step.log" ;;
     serve)
-        standin && timeout 300 python3 -m bench compare --model "$STANDIN" \
+        standin && limit 200 python3 -m bench compare --model "$STANDIN" \
             --servers pagedserve,transformers-serve --dtype bfloat16 \
             --pagedserve-args "--attention-backend triton --max-num-seqs 64" \
             --transformers-serve-args "--device cuda --dtype bfloat16" \
