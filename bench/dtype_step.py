@@ -93,11 +93,15 @@ def use_torch_ops(engine) -> None:
     model.head_kernel = model.fused_ops = None
 
 
-def step_medians_ms(engines: dict) -> dict[str, float]:
+def step_medians_ms(
+    engines: dict, rounds: int = ROUNDS, steps: int = STEPS_PER_TURN
+) -> dict[str, float]:
+    """Median ms per `engine.step()` of each engine; the engines step in turns, so drift
+    hits them alike."""
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, engine in engines.items():
-            for _ in range(STEPS_PER_TURN):
+            for _ in range(steps):
                 start = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - start)

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from bench.dtype_step import finish_prefills
+from bench.dtype_step import finish_prefills, step_medians_ms
 from bench.machine import machine_line
 
 MODES = {  # name -> (attention_backend, enforce_eager)
@@ -118,22 +118,16 @@ def decoding_engine(
     return engine
 
 
-def step_medians_ms(engines: dict, rounds: int, steps: int) -> dict[str, float]:
-    """Median ms per `engine.step()` of each engine; the engines step in turns."""
+def timed_steps_ms(engines: dict, rounds: int, steps: int) -> dict[str, float]:
+    """`step_medians_ms` after a warm-up, checking that every request ran throughout."""
     for engine in engines.values():
         for _ in range(WARMUP_STEPS):  # Triton compiles its kernels on their first launch
             engine.step()
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.step()
-                times[name].append(time.perf_counter() - start)
+    medians = step_medians_ms(engines, rounds, steps)
     for name, engine in engines.items():
         if len(engine.scheduler.running) != len(engine.scheduler.requests):
             raise RuntimeError(f"{name}: requests finished or waited while timed")
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return medians
 
 
 def free(engines: dict, device: torch.device) -> None:
@@ -223,12 +217,6 @@ def attention_figures(
 # -- the run --------------------------------------------------------------------------------
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def gpu_line(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
@@ -253,7 +241,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    from engine import EngineConfig  # loads no Triton kernel: TRITON_INTERPRET is set below
+
+    device = EngineConfig(model=args.model, device=args.device).resolve_device()
     if device.type == "cpu":  # read when a kernel is defined: before triton_paged loads
         os.environ.setdefault("TRITON_INTERPRET", "1")
     batches = [int(b) for b in args.batch.split(",")]
@@ -282,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             result["weight_bytes"], result["floor_ms"] = shape.weight_bytes, floor_ms
             floor = f"{floor_ms:.3f} ms" if floor_ms else "n/a"
             print(f"floor: {shape.weight_bytes / 1e9:.3f} GB of weights per step -> {floor}")
-        medians = step_medians_ms(engines, args.rounds, args.steps)
+        medians = timed_steps_ms(engines, args.rounds, args.steps)
         for mode, ms in medians.items():
             captured = engines[mode].runner.graphs is not None
             x_floor = ms / floor_ms if floor_ms else None

@@ -43,6 +43,7 @@ from engine.attention.metadata import AttentionMetadata
 
 BLOCK_M = 16  # query tokens per prefill tile
 MIN_ROWS = 16  # tl.dot's smallest M on a GPU: a tile's (token, head) rows are padded to it
+TILE_FIELDS = ("req", "start", "len", "pos")  # a prefill tile's fields, one tensor each
 SPLIT_KEYS = 256  # a decode's keys per split, at least
 MAX_SPLITS = 16
 # Decode programs (requests x KV heads) that keep a GPU busy without splits. A constant,
@@ -184,12 +185,16 @@ def _merge_splits_kernel(
 class _Plan:
     """One step's launch."""
 
-    # Steps with prefills: req, start, len, pos: [num_tiles] int32 on the
-    # step's device. None for a decode-only step, whose tiles follow from program ids.
-    tiles: dict[str, torch.Tensor] | None
+    # req, start, len, pos: [num_tiles] int32 on the step's device. A decode-only step's
+    # tiles follow from program ids: any int32 tensor of the step stands in for each.
+    tiles: dict[str, torch.Tensor]
     num_tiles: int
     tokens: int  # query tokens per tile (BLOCK_M, or 1 for a decode-only step)
     num_splits: int
+
+    @property
+    def decode(self) -> bool:
+        return self.tokens == 1
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -209,9 +214,10 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
     context) and makes no tensor, so it is valid inside a CUDA graph capture."""
     if meta.num_decodes == meta.num_reqs:
         splits = decode_splits(meta.num_reqs, num_kv_heads, meta.max_seq_len)
-        return _Plan(None, meta.num_reqs * splits, 1, splits)
+        unread = dict.fromkeys(TILE_FIELDS, meta.seq_lens)  # no tensor made: capturable
+        return _Plan(unread, meta.num_reqs * splits, 1, splits)
     starts = meta.query_start_loc_list
-    fields: dict[str, list[int]] = {"req": [], "start": [], "len": [], "pos": []}
+    fields: dict[str, list[int]] = {k: [] for k in TILE_FIELDS}
     for r, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list, strict=True)):
         for offset in range(0, q_len, BLOCK_M):
             fields["req"].append(r)
@@ -244,7 +250,7 @@ def attention_constexprs(
         "PAGE": block_size,
         "BLOCK_D": block_d,
         "NUM_SPLITS": plan.num_splits,
-        "DECODE": plan.tiles is None,
+        "DECODE": plan.decode,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         # Large prefill tiles' [ROWS, BLOCK_D] float32 accumulators over 8 warps rather than
         # 4, at most 64 values a thread (128 x 64 rows spilled in float32 on 4 warps).
@@ -302,8 +308,7 @@ class TritonBackend(AttentionBackend):
                               device=q.device)  # fmt: skip
         else:
             target, lse = out, out  # lse is not written without splits
-        # A decode-only step's kernel reads no tile tensor: any pointer stands in.
-        t = plan.tiles or dict.fromkeys(("req", "start", "len", "pos"), meta.seq_lens)
+        t = plan.tiles
         consts = self._consts
         if consts is None:
             consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype)
