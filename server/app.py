@@ -65,7 +65,12 @@ from server.responses import (
     delete_response,
     get_response,
 )
-from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST, ServingContext, warn_unknown_fields
+from server.serving import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
+    ServingContext,
+    warn_unknown_fields,
+)
 from server.tokens import apply_chat_template
 from server.validation import check_token_ids
 
@@ -81,6 +86,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     queue_timeout: float | None = None,
+    grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
@@ -90,7 +96,9 @@ def build_app(
     engine requests wait to be scheduled;
     `max_seqs_per_request` caps prompts x n of one request (400 beyond it);
     `queue_timeout` is the seconds a request may wait unscheduled unless it sets its own
-    (then 503 `queue_timeout`).
+    (then 503 `queue_timeout`);
+    `grammar_compile_timeout` the seconds an output constraint may take to compile (then
+    400 `grammar_compile_timeout`) and may wait to start (then 503; None: no limit).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
@@ -98,12 +106,17 @@ def build_app(
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
         raise ValueError(f"queue_timeout must be a number of seconds > 0, got {queue_timeout}")
+    if grammar_compile_timeout is not None and not 0 < grammar_compile_timeout < float("inf"):
+        raise ValueError(
+            f"grammar_compile_timeout must be a number of seconds > 0, got {grammar_compile_timeout}"
+        )
     ctx = ServingContext(
         engine=engine_client,
         served_model_name=served_model_name or engine_client.model_name,
         max_waiting_requests=max_waiting_requests,
         max_seqs_per_request=max_seqs_per_request,
         queue_timeout=queue_timeout,
+        grammar_compile_timeout=grammar_compile_timeout,
     )
 
     @asynccontextmanager

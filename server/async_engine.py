@@ -155,9 +155,11 @@ class AsyncEngine:
         core: EngineCore | LLMEngine,
         metrics: ServerMetrics | None = None,
         log_interval_s: float = 5.0,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         """`core`: the engine core; an offline `LLMEngine` stands for its core (the
-        output processing is this class's own, on the event loop)."""
+        output processing is this class's own, on the event loop). `grammar_compiler`:
+        the compile thread's limits (default: `GrammarCompiler()`'s)."""
         if isinstance(core, LLMEngine):
             core = core.core
         self.core = core
@@ -181,7 +183,7 @@ class AsyncEngine:
         # Event-loop state: every submitted, unfinished request's text side and client.
         self._processor: OutputProcessor[_Client] = OutputProcessor(core.tokenizer)
         # Grammars compile here, never on the engine thread (see `compile_grammar`).
-        self._compiler = GrammarCompiler()
+        self._compiler = grammar_compiler or GrammarCompiler()
 
     @classmethod
     def load(cls, build: Callable[[], EngineCore], **kwargs: Any) -> AsyncEngine:
@@ -319,14 +321,16 @@ class AsyncEngine:
             raise
         return stream
 
-    async def compile_grammar(self, spec: Any) -> None:
+    async def compile_grammar(self, spec: Any, timeout_s: float | None = None) -> None:
         """Compile a request's grammar (or find it cached) before the request is submitted.
 
         On the compile thread: a request whose grammar compiles waits here, while the engine
         thread goes on stepping everyone else. Raises the engine's GrammarError (a ValueError
-        with the compiler's message) when the spec cannot be compiled.
+        with the compiler's message) when the spec cannot be compiled; with `timeout_s`,
+        CompilerBusy or CompileTimedOut (server/grammar_compiler.py) past it.
         """
-        result = await self._compiler.run(self.core.structured_outputs.compile, spec)
+        compile_spec = self.core.structured_outputs.compile
+        result = await self._compiler.run(compile_spec, spec, timeout_s=timeout_s)
         self.metrics.on_grammar(result.cache_hit, result.seconds)
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:

@@ -31,7 +31,7 @@ from server.limits import (
     uvicorn_config,
 )
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
-from server.serving import DEFAULT_MAX_SEQS_PER_REQUEST
+from server.serving import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
 
@@ -209,6 +209,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait before its first step; past them it is "
                    "answered 503 queue_timeout (default: no limit; a request's own "
                    "`queue_timeout` field wins)")  # fmt: skip
+    g.add_argument("--grammar-compile-timeout", type=_positive_float,
+                   default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+                   help="seconds an output constraint (JSON schema, grammar, regex, tool "
+                   "calls) may take to compile, else 400 grammar_compile_timeout, and may "
+                   "wait for the compile thread, else 503 + Retry-After "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
                    "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
@@ -256,7 +262,8 @@ def run_replicas(args: argparse.Namespace) -> int:
               "max_waiting_requests": args.max_waiting_requests,
               "max_request_body_bytes": args.max_request_body_bytes,
               "max_seqs_per_request": args.max_seqs_per_request,
-              "queue_timeout": args.queue_timeout}  # fmt: skip
+              "queue_timeout": args.queue_timeout,
+              "grammar_compile_timeout": args.grammar_compile_timeout}  # fmt: skip
     app = build({"num_replicas": args.data_parallel_size, "router": args.router,
                  "engine": engine, "server": server})  # fmt: skip
     ray.init(include_dashboard=False)
@@ -336,6 +343,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_seqs_per_request=args.max_seqs_per_request,
         queue_timeout=args.queue_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
     print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
     limits = clamp_to_open_files(connection_limits_from_args(args), raise_open_file_limit())

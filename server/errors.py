@@ -178,6 +178,18 @@ def queue_timed_out(reason: str, retry_after_s: int = 1) -> OpenAIError:
     )
 
 
+def grammar_compiler_busy(reason: str, retry_after_s: int = 1) -> OpenAIError:
+    """A request whose output constraint could not get to compile in time."""
+    return OpenAIError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"The server is too busy to compile this request's output constraint ({reason}); "
+        "retry later.",
+        type=OVERLOADED,
+        code="grammar_compiler_busy",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def engine_dead(reason: str) -> OpenAIError:
     return OpenAIError(
         HTTPStatus.SERVICE_UNAVAILABLE,

@@ -37,11 +37,13 @@ from server.errors import (
     engine_dead,
     engine_failed,
     from_value_error,
+    grammar_compiler_busy,
     model_not_found,
     overloaded,
     queue_timed_out,
     shutting_down,
 )
+from server.grammar_compiler import CompilerBusy, CompileTimedOut
 from server.protocol import OpenAIBaseModel, SamplingFields
 from server.response_store import ResponseStore
 from server.tokens import TokenStrings
@@ -53,6 +55,10 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code; the client never sees it
 # Sequences (prompts x n) one request may ask for: 1000 prompts x n=128 in an 8 KB body
 # would otherwise queue 128,000 sequences and stall the server building them.
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
+# Seconds a grammar may take to compile, and may wait to start (server/grammar_compiler.py):
+# the largest schemas compile in ~0.1 s, hostile 300,000-character regexes in seconds; so a
+# request waits at most twice this for its constraint, well inside a client's timeout.
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -62,6 +68,7 @@ class ServingContext:
     max_waiting_requests: int | None = None
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     queue_timeout: float | None = None  # seconds; a request's own queue_timeout wins
+    grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # None: no limit
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 
@@ -258,12 +265,22 @@ async def compile_constraint(
     ctx: ServingContext, constraint: tuple[StructuredOutputs, str] | None
 ) -> StructuredOutputs | None:
     """Compile the request's output constraint off the engine thread; 400 naming the field
-    (with the compiler's message) when it cannot be compiled."""
+    when it cannot be compiled (with the compiler's message) or its compile runs past
+    --grammar-compile-timeout, 503 + Retry-After when the compile could not get to run."""
     if constraint is None:
         return None
     spec, param = constraint
     try:
-        await ctx.engine.compile_grammar(spec)
+        await ctx.engine.compile_grammar(spec, ctx.grammar_compile_timeout)
+    except CompileTimedOut as exc:
+        raise bad_request(
+            f"Invalid `{param}`: it {exc} (--grammar-compile-timeout); a simpler schema, "
+            "grammar or pattern compiles faster.",
+            param=param,
+            code="grammar_compile_timeout",
+        ) from exc
+    except CompilerBusy as exc:
+        raise grammar_compiler_busy(str(exc)) from exc
     except ValueError as exc:
         raise bad_request(f"Invalid `{param}`: {exc}", param=param) from exc
     return spec

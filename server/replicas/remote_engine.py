@@ -31,6 +31,7 @@ from server.engine_client import (
     EngineShutdownError,
     RequestFailedError,
 )
+from server.grammar_compiler import CompileTimedOut
 from server.replicas.metrics import ReplicaMetrics
 
 
@@ -153,8 +154,13 @@ class RemoteEngine:
     def _done(self) -> None:
         self._in_flight -= 1
 
-    async def compile_grammar(self, spec: Any) -> None:
-        await asyncio.to_thread(self._grammars.compile, spec)
+    async def compile_grammar(self, spec: Any, timeout_s: float | None = None) -> None:
+        # A check on the default executor (this process runs no step, so no idle thread);
+        # one that overruns is left to finish on its own, as GrammarCompiler leaves it.
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, spec), timeout_s)
+        except TimeoutError:
+            raise CompileTimedOut(f"did not compile within {timeout_s:g} s") from None
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Engine calls (`/reset_prefix_cache`) would reach one replica of N: refused."""
