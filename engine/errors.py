@@ -14,3 +14,9 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str], cause: BaseException) -> None:
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause})")
         self.request_ids = request_ids
+
+
+class ModelFileError(ValueError):
+    """A model file or directory that cannot be served as it is: damaged, crafted or
+    incomplete. The message is one line naming the file, the key or tensor, and the fault;
+    `pagedserve serve` prints it and exits non-zero, with no traceback."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import re
-import struct
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType, quants
 
+from engine.errors import ModelFileError
+from engine.gguf_file import GGUFFile
 from engine.kernels import ggml_kernels
 
 QType = GGMLQuantizationType
@@ -101,8 +102,9 @@ class GGUFTensor:
         return GGUFTensor(self.blocks.index_select(0, index), self.type, self.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' name for a GGUF tensor name; None for one the model does not load."""
+def hf_name(gguf_name: str, path: str | Path = "the GGUF file") -> str | None:
+    """transformers' name for a GGUF tensor name; None for one the model does not load,
+    `ModelFileError` for one it does not have."""
     if gguf_name in _SKIPPED:
         return None
     stem, _, kind = gguf_name.rpartition(".")
@@ -110,7 +112,7 @@ def hf_name(gguf_name: str) -> str | None:
         return f"{_TOP_NAMES[stem]}.{kind}"
     match = _LAYER.match(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported model")
+        raise ModelFileError(f"{path}: tensor {gguf_name} is not part of a supported model")
     index, module, kind = match.groups()
     return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
 
@@ -120,90 +122,6 @@ def qk_row_order(rows: int, heads: int) -> torch.Tensor:
     interleaves the two rotary halves (llama.cpp's layout), transformers keeps them apart."""
     half = rows // heads // 2
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    type: GGMLQuantizationType
-    shape: tuple[int, ...]  # rows first, as torch has it (GGUF lists ne0 first)
-    offset: int  # from the start of the file
-
-    @property
-    def nbytes(self) -> int:
-        values, size = GGML_QUANT_SIZES[self.type]
-        return int(np.prod(self.shape)) // values * size
-
-
-# GGUF metadata value types -> struct formats (8: string, 9: array)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}  # fmt: skip
-
-
-class GGUFFile:
-    """A GGUF file's scalar metadata and tensor table, and the file mapped in memory.
-
-    Parsed here rather than by `gguf.GGUFReader`, which builds an object per element of
-    the tokenizer's arrays (3 s for SmolLM2's): arrays are skipped, their bytes unread.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        # "c": a private copy-on-write map, so torch gets writable arrays without copying.
-        self.data = np.memmap(self.path, dtype=np.uint8, mode="c")
-        self._pos = 0
-        if bytes(self.data[:4]) != b"GGUF":
-            raise ValueError(f"{self.path} is not a GGUF file")
-        self._pos = 4
-        version, tensors, kvs = self._read("<IQQ")
-        if version < 2:
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (v2+)")
-        self.metadata: dict[str, object] = {}
-        for _ in range(kvs):
-            key = self._string()
-            self.metadata[key] = self._value(self._read("<I")[0])
-        infos = []
-        for _ in range(tensors):
-            name = self._string()
-            dims = self._read(f"<{self._read('<I')[0]}Q")
-            qtype, offset = self._read("<IQ")
-            infos.append((name, GGMLQuantizationType(qtype), tuple(reversed(dims)), offset))
-        alignment = int(self.metadata.get("general.alignment", 32))
-        start = -(-self._pos // alignment) * alignment
-        self.tensors = [TensorInfo(n, t, s, start + o) for n, t, s, o in infos]
-
-    def array(self, info: TensorInfo) -> np.ndarray:
-        return self.data[info.offset : info.offset + info.nbytes]
-
-    def _read(self, fmt: str) -> tuple:
-        values = struct.unpack_from(fmt, self.data, self._pos)
-        self._pos += struct.calcsize(fmt)
-        return values
-
-    def _string(self) -> str:
-        (size,) = self._read("<Q")
-        self._pos += size
-        return bytes(self.data[self._pos - size : self._pos]).decode("utf-8", "replace")
-
-    def _value(self, vtype: int) -> object:
-        if vtype in _SCALARS:
-            return self._read("<" + _SCALARS[vtype])[0]
-        if vtype == 8:
-            return self._string()
-        if vtype != 9:
-            raise ValueError(f"{self.path}: unknown GGUF metadata type {vtype}")
-        etype, count = self._read("<IQ")
-        if etype in _SCALARS:  # skipped: the loader needs no array
-            self._pos += count * struct.calcsize(_SCALARS[etype])
-        elif etype == 8:  # strings (the vocabulary, its merges): only their lengths read
-            buffer, pos = memoryview(self.data), self._pos
-            for _ in range(count):
-                pos += 8 + struct.unpack_from("<Q", buffer, pos)[0]
-            self._pos = pos
-        else:
-            for _ in range(count):
-                self._value(etype)
-        return None
 
 
 def _float_tensor(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple) -> torch.Tensor:
@@ -221,7 +139,7 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # numpy -> torch of a memmap
         for t in gguf.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, gguf.path)
             if name is None:
                 continue
             shape, qtype = t.shape, t.type
@@ -231,11 +149,16 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
                 blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
                 tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]), mapped=True)
             else:
-                raise ValueError(f"GGUF tensor {t.name!r} of type {qtype.name} is not 2-D")
+                raise ModelFileError(f"{gguf.path}: tensor {t.name} of type {qtype.name} is "
+                                     f"{len(shape)}-D, not a 2-D weight")  # fmt: skip
             if permuted and name.endswith(
                 ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
             ):
-                order = qk_row_order(shape[0], heads if "q_proj" in name else kv_heads)
+                heads_of = heads if "q_proj" in name else kv_heads
+                if type(heads_of) is not int or heads_of < 1 or shape[0] % (2 * heads_of):
+                    raise ModelFileError(f"{gguf.path}: tensor {t.name} has {shape[0]:,} rows, "
+                                         f"not {heads_of} heads of rotary pairs")  # fmt: skip
+                order = qk_row_order(shape[0], heads_of)
                 tensor = tensor.select_rows(order) if isinstance(tensor, GGUFTensor) \
                     else tensor.index_select(0, order)  # fmt: skip
             yield name, tensor

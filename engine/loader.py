@@ -34,6 +34,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from engine.errors import ModelFileError
+from engine.gguf_file import GGUFFile
+from engine.gguf_weights import hf_name, read_tensors
+from engine.model_check import check_config
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -198,14 +203,16 @@ def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
     metadata through transformers (which reads no tensor for them)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    table = GGUFFile(gguf_path)  # its header and tensor table, before transformers reads it
     folder, name = str(gguf_path.parent), gguf_path.name
     bar = tqdm(total=2, desc=f"Reading {name}'s config and tokenizer once", unit="step")
-    with bar, _fast_gguf_config():
+    with bar, _fast_gguf_config(), _as_model_file_error(gguf_path, "its config or tokenizer"):
         config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [
                 _ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type, config.model_type)
             ]
+        check_config(config, gguf_shapes(table), gguf_path)  # refused before it is cached
         config.save_pretrained(str(out_dir))
         GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
         bar.update()
@@ -268,6 +275,21 @@ def _fast_gguf_config() -> Iterator[None]:
         gguf_utils.load_gguf_checkpoint = legacy
 
 
+@contextlib.contextmanager
+def _as_model_file_error(path: Path, what: str) -> Iterator[None]:
+    """transformers' own readers run on a file whose structure `GGUFFile` checked; what they still
+    refuse (a tokenizer's token types, a malformed merge) is one line naming the file,
+    not a traceback out of their internals."""
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader fault of a bad file is the file's
+        message = " ".join(str(exc).split())[:300]
+        raise ModelFileError(f"{path}: cannot read {what} ({type(exc).__name__}: {message})") \
+            from exc  # fmt: skip
+
+
 def _apply_umask(directory: Path) -> None:
     # mkdtemp and safetensors create private (0700/0600) entries; a cache is shared like any
     # other files the user writes.
@@ -318,7 +340,8 @@ def load_hf_config(path: str | os.PathLike):
     """The model's transformers config; ValueError for an architecture the engine lacks."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with _as_model_file_error(Path(path), "its config.json"):
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures and config.model_type in _ARCHITECTURE_BY_MODEL_TYPE:
         architectures = [_ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
@@ -328,7 +351,22 @@ def load_hf_config(path: str | os.PathLike):
             f"unsupported model architecture {found} in {path}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    check_config(config, weight_shapes(path), source_gguf(path) or path)
     return config
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every weight's shape under transformers' names, from the checkpoint's tables alone
+    (the GGUF a converted directory stands for, or the safetensors headers)."""
+    gguf = source_gguf(path)
+    if gguf is not None:
+        return gguf_shapes(GGUFFile(gguf))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(path):
+        with _as_model_file_error(file, "its header"), safe_open(str(file), "pt", "cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 def model_architecture(config) -> str:
@@ -342,7 +380,8 @@ def model_architecture(config) -> str:
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with _as_model_file_error(Path(path), "its tokenizer"):
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -366,8 +405,6 @@ def iter_weights(
     weights, which the model keeps or dequantizes itself."""
     gguf = source_gguf(path)
     if gguf is not None:
-        from engine.gguf_weights import read_tensors
-
         if not gguf.is_file():
             raise FileNotFoundError(f"{gguf}, the GGUF that {path} stands for, is gone")
         for name, tensor in read_tensors(gguf):
@@ -378,10 +415,22 @@ def iter_weights(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = f.get_tensor(name)
-                yield name, tensor if dtype is None else tensor.to(dtype)
+        for name, tensor in _safetensors(file):
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
+    names = ((hf_name(t.name, gguf.path), t.shape) for t in gguf.tensors)
+    return {name: shape for name, shape in names if name is not None}
+
+
+def _safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors file's tensors; the safetensors library checks its header and every
+    tensor's extent against the file (a truncated or overlapping one is refused), and its
+    refusal is one line naming the file."""
+    with _as_model_file_error(file, "its tensors"), safe_open(str(file), "pt", "cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            yield name, f.get_tensor(name)  # the caller's faults are not raised in here
 
 
 def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> frozenset[int]:
