@@ -22,7 +22,7 @@ from engine.attention import (
     write_kv,
 )
 from engine.attention.cpu_paged import CpuPagedBackend
-from engine.kernels import cpu_kernels, cpu_kernels_supported
+from engine.kernels import cpu_kernels, cpu_kernels_supported, ggml_kernels
 
 BLOCK_SIZE = 4
 
@@ -321,22 +321,35 @@ def test_cpu_paged_decode_only_step_over_shared_prefixes_equals_reference():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@needs_cpu_kernels
+@pytest.mark.skipif(ggml_kernels() is None, reason="the float32 kernels need AVX2")
 def test_paged_decode_kernel_rejects_what_it_cannot_attend():
+    """The argument checks every build has (the float32 kernel: AVX2 and AVX-512 builds)."""
+    kernel = ggml_kernels()
+    q = torch.zeros(1, 4, 16, dtype=torch.float32)
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.float32)
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    narrow_q, narrow_cache = torch.zeros(1, 4, 12), torch.zeros(2, 4, 2, 12)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8"):
+        kernel.paged_decode_attention(narrow_q, narrow_cache, narrow_cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="the caches must have q's dtype, or be int8 rows"):
+        kernel.paged_decode_attention(q, cache.bfloat16(), cache.bfloat16(), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)
+    assert kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0).shape == q.shape
+
+
+@needs_cpu_kernels
+def test_bf16_paged_decode_kernel_rejects_what_it_cannot_attend():
     kernel = cpu_kernels()
     q = torch.zeros(1, 4, 24, dtype=torch.bfloat16)
     cache = torch.zeros(2, 4, 2, 24, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
-    with pytest.raises(RuntimeError, match="one dtype"):
-        kernel.paged_decode_attention(q.float(), cache, cache, tables, lens, 1.0)
-    q, cache = (
-        torch.zeros(1, 4, 16, dtype=torch.bfloat16),
-        torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16),
-    )
-    with pytest.raises(RuntimeError, match="seq_len out of range"):
-        kernel.paged_decode_attention(q, cache, cache, tables, lens * 9, 1.0)
+    # float32 caches beside a bf16 q: the dtype check, not the head_dim one, answers
+    q, cache = torch.zeros(1, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="the caches must have q's dtype, or be int8 rows"):
+        kernel.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
 
 
 def test_unknown_backend_is_a_clear_error():
