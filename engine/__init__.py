@@ -42,6 +42,13 @@ MATMUL_CACHE_DEFAULTS_SET = {
 }
 os.environ.update(MATMUL_CACHE_DEFAULTS_SET)
 
+# $PAGEDSERVE_CPU_KERNELS=avx2 (engine.kernels: the AVX2 path on an AVX-512 machine) holds
+# torch's own ops to AVX2 as well, so that path is served as an AVX2-only CPU serves it.
+# Read when torch loads, so only where engine is imported first; a user's setting wins.
+if os.environ.get("PAGEDSERVE_CPU_KERNELS", "").strip().lower() == "avx2":
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",

@@ -56,3 +56,21 @@ def pytest_sessionstart(session) -> None:
     from engine.loader import resolve_model_dir
 
     resolve_model_dir(None)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line naming the tests this CPU could not check: on an AVX2-only machine the
+    AVX512-BF16 kernels' tests skip, and what skips here is checked only where a session
+    lands on the other kind (whose `make test` runs this machine's path too)."""
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if "AVX512" in reason:
+            file = Path(report.location[0]).name
+            counts[file] = counts.get(file, 0) + 1
+    if counts:
+        files = ", ".join(f"{file} ({n})" for file, n in sorted(counts.items()))
+        terminalreporter.write_line(
+            f"Not checked on this CPU (no AVX512-BF16): {sum(counts.values())} tests in {files}"
+        )

@@ -9,6 +9,8 @@ sharing that cache would otherwise rebuild it in turn, each build waiting on the
 lock. A build killed half-way (SIGKILL, power loss) leaves nothing that blocks or breaks the
 next start: see `_build_lock` and `_drop_unverified`. ``PAGEDSERVE_CPU_KERNELS=off`` builds
 and loads none: torch's ops serve (to rule the kernels out, or where no build should run).
+``PAGEDSERVE_CPU_KERNELS=avx2`` hides AVX-512 from the detection (`cpu_flags`): an AVX-512
+machine then builds, plans and serves the AVX2 path, so one machine tests both.
 
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
@@ -79,7 +81,20 @@ _ISA_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx51
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports; empty elsewhere (then no kernel is assumed)."""
+    """The CPU feature flags this process plans for: what Linux reports (empty elsewhere:
+    then no kernel is assumed), less AVX-512 and AMX under ``$PAGEDSERVE_CPU_KERNELS=avx2``."""
+    return visible_flags(_reported_flags(), switch())
+
+
+def visible_flags(flags: frozenset[str], setting: str) -> frozenset[str]:
+    """``flags`` as the kernels and the config see them: the AVX2 path hides AVX-512 and
+    AMX, so an AVX-512 machine plans, builds and serves exactly as an AVX2-only one."""
+    if setting != "avx2":
+        return flags
+    return frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+
+
+def _reported_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -121,10 +136,24 @@ def _build_lock(directory: Path) -> Iterator[None]:
 
 
 SWITCH = "PAGEDSERVE_CPU_KERNELS"
+# auto: the kernels this CPU runs best; avx2: the AVX2 path on any CPU that has AVX2 (to
+# serve or test an AVX2-only machine's path on an AVX-512 one); off: torch's ops only.
+SWITCH_SETTINGS = ("auto", "avx2", "off")
+_OFF_SPELLINGS = ("0", "off", "false", "no")
+
+
+def switch() -> str:
+    """$PAGEDSERVE_CPU_KERNELS as one of `SWITCH_SETTINGS`; ValueError for anything else
+    (a typo must not quietly test the other path)."""
+    value = os.environ.get(SWITCH, "").strip().lower() or "auto"
+    value = "off" if value in _OFF_SPELLINGS else value
+    if value not in SWITCH_SETTINGS:
+        raise ValueError(f"${SWITCH} is {value!r}: use one of {', '.join(SWITCH_SETTINGS)}")
+    return value
 
 
 def switched_off() -> bool:
-    return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+    return switch() == "off"
 
 
 def _build(name: str, sources: list[Path], cflags: list[str]) -> ModuleType | None:

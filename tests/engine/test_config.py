@@ -10,6 +10,7 @@ import torch
 
 from engine import config as config_module
 from engine.config import EngineConfig, GpuMemory, Quantization, gpu_kv_cache_budget
+from engine.kernels import switch, visible_flags
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; bf16 is 2 bytes.
 # One block of 16 tokens = 2 (K, V) * 30 * 16 * 3 * 64 * 2 bytes.
@@ -137,7 +138,7 @@ def _flags_from_proc_cpuinfo() -> set[str]:
 
 
 def test_auto_dtype_on_this_cpu_reads_the_real_flags():
-    flags = _flags_from_proc_cpuinfo()
+    flags = visible_flags(frozenset(_flags_from_proc_cpuinfo()), switch())  # as the switch says
     expected = torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
     assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
 

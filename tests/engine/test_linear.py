@@ -187,15 +187,24 @@ def test_float32_pack_stores_in_by_out_and_multiplies_the_same():
     torch.testing.assert_close(layer(x), before, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 64, 65])  # kernel paths, torch / dequantized
-def test_bf16_int8_and_int4_linears_equal_their_reference_at_every_row_count(rows):
+ROW_COUNTS = [1, 4, 5, 8, 9, 64, 65]  # kernel paths, torch / dequantized
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_a_bf16_linear_equals_its_reference_at_every_row_count(rows):
     x = _bf16(rows, 128, seed=10)
     layer = _loaded(128, 40, torch.bfloat16)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack()
     _close_to(layer(x), x.float() @ weight.float().t() + bias.float())
-    if not cpu_kernels_supported():
-        return  # quantized weights are refused without the kernels (tests/engine/test_config.py)
+
+
+# Quantized weights are refused without the kernels (tests/engine/test_config.py).
+@pytest.mark.skipif(not cpu_kernels_supported(), reason="quantized weights need AVX512-BF16")
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_int8_and_int4_linears_equal_their_reference_at_every_row_count(rows):
+    x = _bf16(rows, 128, seed=10)
+    bias = _loaded(128, 40, torch.bfloat16).bias.detach().clone()
     int8 = _loaded(128, 40, torch.bfloat16, quantization="int8")
     deq = dequantize_int8(*quantize_int8(int8.weight.detach()), torch.bfloat16)
     int8.pack()

@@ -1,0 +1,83 @@
+"""$PAGEDSERVE_CPU_KERNELS: auto, avx2 (the AVX2 path on an AVX-512 machine, so one machine
+tests both CPU kinds' paths) or off; anything else is an error, not the other path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import (
+    CPU_KERNEL_FLAGS,
+    GGML_KERNEL_FLAGS,
+    SWITCH,
+    _reported_flags,
+    switch,
+    visible_flags,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# What a 2-core Zen 5 EPYC reports (the AVX-512 part of it, and what AVX2 needs).
+ZEN5 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f",
+                  "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                  "avx512_vbmi2", "avx512_bitalg"})  # fmt: skip
+
+
+def test_the_avx2_setting_hides_avx512_so_the_avx2_build_is_planned():
+    assert visible_flags(ZEN5, "auto") == ZEN5 and ZEN5 >= CPU_KERNEL_FLAGS
+    avx2 = visible_flags(ZEN5, "avx2")
+    assert not any(flag.startswith(("avx512", "amx")) for flag in avx2)
+    assert not avx2 >= CPU_KERNEL_FLAGS  # no AVX-512 build: cpu_kernels() is None
+    assert avx2 >= GGML_KERNEL_FLAGS  # the AVX2 build serves
+    assert "avx_vnni" in avx2  # AVX-VNNI is an AVX2-class extension: it stays
+    assert visible_flags(ZEN5, "off") == ZEN5  # off builds nothing whatever the flags
+
+
+@pytest.mark.parametrize(
+    ("value", "setting"),
+    [("", "auto"), ("auto", "auto"), ("AVX2", "avx2"), (" avx2 ", "avx2"), ("off", "off"),
+     ("0", "off"), ("false", "off"), ("no", "off")],
+)  # fmt: skip
+def test_the_switch_reads_its_settings(monkeypatch, value, setting):
+    monkeypatch.setenv(SWITCH, value)
+    assert switch() == setting
+
+
+def test_a_mistyped_switch_is_an_error_not_the_other_path(monkeypatch):
+    monkeypatch.setenv(SWITCH, "avx-2")
+    with pytest.raises(ValueError, match=r"PAGEDSERVE_CPU_KERNELS is 'avx-2': use one of auto"):
+        switch()
+
+
+def test_a_process_under_the_avx2_setting_plans_and_serves_the_avx2_path():
+    """In a fresh process (the detection is cached per process): no AVX-512 flag seen, no
+    AVX-512 module, the GGUF kernels from the AVX2 build where the CPU has AVX2, float32
+    activations, and torch's own ops held to AVX2 when engine is imported first."""
+    probe = """
+import json, os, engine, torch
+from engine.config import EngineConfig
+from engine.kernels import cpu_flags, cpu_kernels, ggml_kernels
+print(json.dumps({
+    "avx512_seen": any(f.startswith("avx512") for f in cpu_flags()),
+    "avx512_module": cpu_kernels() is not None,
+    "ggml_module": None if ggml_kernels() is None else ggml_kernels().__name__,
+    "dtype": str(EngineConfig().resolve_dtype(torch.device("cpu"))),
+    "aten": os.environ.get("ATEN_CPU_CAPABILITY"),
+    "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+}))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",
+                                                             "ONEDNN_MAX_CPU_ISA")}  # fmt: skip
+    env[SWITCH] = "avx2"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300, check=True)  # fmt: skip
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["avx512_seen"] is False and seen["avx512_module"] is False
+    assert seen["dtype"] == "torch.float32"
+    assert (seen["aten"], seen["onednn"]) == ("avx2", "AVX2")
+    if _reported_flags() >= GGML_KERNEL_FLAGS:  # a CPU with AVX2: the AVX2 build serves
+        assert seen["ggml_module"].startswith("pagedserve_avx2_kernels"), seen
