@@ -35,6 +35,7 @@ from engine.config import (
 from engine.cuda_graphs import CudaGraphRunner, graphs_off_reason
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
+from engine.kernels import build_name
 from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
 from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer
 from engine.model_loader import load_model
@@ -127,7 +128,8 @@ class EngineCore:
         if self.model.fused_ops is not None:  # bf16 (AVX512-BF16) or float32 on GGUF blocks
             gemm = "skinny GEMM, " if self.model.dtype == torch.bfloat16 else ""
             stack = ", decode stack" if self.model.decode_stack is not None else ""
-            parts.append(f"CPU kernels ({gemm}fused ops{stack})")
+            build = build_name(self.model.fused_ops)
+            parts.append(f"CPU kernels {build} ({gemm}fused ops{stack})")
         if self.config.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         parts.append(f"weights: {self.model.weight_formats()}")

@@ -233,6 +233,12 @@ def cpu_kernels() -> ModuleType | None:
     return _build("pagedserve_cpu_kernels", sources, [*_GGML_CFLAGS, *_ISA_CFLAGS])
 
 
+def build_name(module: ModuleType) -> str:
+    """Which CPU path a kernels module is, as the start-up line names it."""
+    name = "AVX-512 BF16" if module is cpu_kernels() else "AVX2"
+    return f"{name}, ${SWITCH}=avx2" if switch() == "avx2" else name
+
+
 def host_kernels(device: torch.device | str) -> ModuleType | None:
     """The kernels for work on this device whatever the model's dtype (the sampler's float32
     logits), or None off the CPU or where they do not build."""

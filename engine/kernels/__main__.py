@@ -10,13 +10,13 @@ from engine.kernels import (
     cpu_kernels,
     cpu_kernels_supported,
     ggml_kernels,
+    switch,
 )
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 if not cpu_kernels_supported():
-    print(
-        "CPU kernels: AVX-512 build skipped (this CPU has no AVX512-BF16: bf16 takes torch's ops)"
-    )
+    why = "$PAGEDSERVE_CPU_KERNELS=avx2" if switch() == "avx2" else "this CPU has no AVX512-BF16"
+    print(f"CPU kernels: AVX-512 build skipped ({why}: bf16 takes torch's ops)")
 elif cpu_kernels() is None:
     print("CPU kernels: build failed (see the warning above); torch's ops serve")
 else:

@@ -60,8 +60,9 @@ def test_a_process_under_the_avx2_setting_plans_and_serves_the_avx2_path():
     probe = """
 import json, os, engine, torch
 from engine.config import EngineConfig
-from engine.kernels import cpu_flags, cpu_kernels, ggml_kernels
+from engine.kernels import build_name, cpu_flags, cpu_kernels, ggml_kernels
 print(json.dumps({
+    "build": None if ggml_kernels() is None else build_name(ggml_kernels()),
     "avx512_seen": any(f.startswith("avx512") for f in cpu_flags()),
     "avx512_module": cpu_kernels() is not None,
     "ggml_module": None if ggml_kernels() is None else ggml_kernels().__name__,
@@ -81,3 +82,4 @@ print(json.dumps({
     assert (seen["aten"], seen["onednn"]) == ("avx2", "AVX2")
     if _reported_flags() >= GGML_KERNEL_FLAGS:  # a CPU with AVX2: the AVX2 build serves
         assert seen["ggml_module"].startswith("pagedserve_avx2_kernels"), seen
+        assert seen["build"] == "AVX2, $PAGEDSERVE_CPU_KERNELS=avx2"  # the start-up line's

@@ -15,7 +15,7 @@ from engine.attention import get_attention_backend, write_kv
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import reference_paged_attention
 from engine.attention.sdpa import SdpaBackend
-from engine.kernels import ggml_kernels, layer_kernels
+from engine.kernels import build_name, ggml_kernels, layer_kernels
 from engine.models.llama import apply_rotary, rms_norm
 from tests.engine.gguf_models import write_mixed_gguf
 from tests.engine.test_attention import attend, make_batch, random_shapes
@@ -145,7 +145,8 @@ def float32_gguf_llm(float32_gguf) -> LLM:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch):
     summary = float32_gguf_llm.engine.compute_summary
-    assert summary.startswith("attention cpu-paged, CPU kernels (fused ops, decode stack), ")
+    build = build_name(float32_gguf_llm.engine.model.fused_ops)  # AVX2, or AVX-512's module
+    assert summary.startswith(f"attention cpu-paged, CPU kernels {build} (fused ops, decode stack)")
     assert "Q4_K x" in summary, summary
     _assert_stack_equals_python_layers(float32_gguf_llm, batch)
 

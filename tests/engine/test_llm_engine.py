@@ -216,7 +216,7 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
     assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
     assert engine.compute_summary == (
-        "attention cpu-paged, CPU kernels (skinny GEMM, fused ops, decode stack), "
+        "attention cpu-paged, CPU kernels AVX-512 BF16 (skinny GEMM, fused ops, decode stack), "
         "weights: projections bfloat16 x8, embedding bfloat16, head bfloat16"
     )
     fp32_engine = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine
