@@ -45,9 +45,12 @@ PYTEST_WORKERS ?= 2
 # through the AVX2 path (PAGEDSERVE_CPU_KERNELS=avx2), so each session checks both paths
 # its CPU can run. On an AVX2-only CPU the first pass is that path, and the AVX-512 tests
 # skip: the run's summary names them in one line (tests/conftest.py).
+# (The bf16 modes' perplexity is left out of it: under the switch bf16 is torch's ops, not
+# an AVX2 kernel, and it is the pass's slowest test.) The pass took 198 s on a 2-core Zen 3.
 AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kernels.py \
 	tests/engine/test_gguf.py tests/engine/test_kv_int8.py tests/engine/test_quality_gate.py \
-	tests/engine/test_engine_golden.py tests/engine/test_linear.py tests/engine/test_cpu_switch.py
+	tests/engine/test_engine_golden.py tests/engine/test_linear.py tests/engine/test_cpu_switch.py \
+	-k "not test_bfloat16_modes"
 
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
