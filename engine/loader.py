@@ -363,7 +363,7 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         return gguf_shapes(GGUFFile(gguf))
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(path):
-        with _as_model_file_error(file, "its header"), safe_open(str(file), "pt", "cpu") as f:
+        with _as_model_file_error(file, "its header"), safe_open(str(file), "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
@@ -389,8 +389,11 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        with _as_model_file_error(index, "its weight map"):
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        if not all(isinstance(n, str) and n == Path(n).name and n not in ("", "..") for n in names):
+            raise ModelFileError(f"{index}: its weight map names a file outside {path}")
+        return [path / name for name in sorted(names)]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     # Mistral repositories also ship consolidated*.safetensors in Mistral's own naming.

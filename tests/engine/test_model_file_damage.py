@@ -182,6 +182,15 @@ DIR_DAMAGE = {
         lambda d: _cut(d / "model.safetensors", 0.5),
         lambda d: list(iter_weights(d)), "model.safetensors: cannot read its tensors",
     ),
+    "a shard index that is not JSON": (
+        lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": '),
+        load_hf_config, "model.safetensors.index.json: cannot read its weight map",
+    ),
+    "a shard index naming a file outside the model": (
+        lambda d: (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.embed_tokens.weight": "../../etc/passwd"}})),
+        load_hf_config, "its weight map names a file outside",
+    ),
     "a safetensors header length past the file": (
         lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**62) + b"{}"),
         load_hf_config, "model.safetensors: cannot read its header",
