@@ -49,7 +49,7 @@ def test_every_sampling_option_on_a_two_eos_model(multi_eos_server, options):
     assert server.client.is_alive
 
 
-def test_greedy_chat_and_completion_stop_at_the_second_eos(multi_eos_server):
+def test_a_greedy_completion_stops_at_the_second_eos_unless_min_tokens_holds_it(multi_eos_server):
     server, _ = multi_eos_server
     client = server.openai()
     out = client.completions.create(model=MODEL_NAME, prompt=MULTI_EOS_PROMPT, max_tokens=8,
