@@ -127,25 +127,27 @@ def bf16_dequantized(reference):
 
 
 @pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
-def test_gguf_blocks_perplexity_within_1_percent_of_the_same_weights_in_bf16(
-    reference, bf16_dequantized
-):
+def test_gguf_blocks_perplexity_within_1_5_percent_of_the_same_weights(reference, bf16_dequantized):
     # The default start: the GGUF's own Q4_1/Q8_0 blocks through the GGUF kernels on
-    # int8 activations (bf16 between them on AVX512-BF16 CPUs, else float32).
+    # int8 activations (bf16 between them on AVX512-BF16 CPUs, else float32), against the
+    # same weights dequantized (bf16 there, float32 here). Each bound sits just above what
+    # was measured on that path, so a regression fails before it reaches the looser gate.
     ppl, tokens, decode_ppl = measure("auto", decode_path=True, **SMALL_KV)
     bf16_ppl, bf16_decode_ppl = bf16_dequantized
-    # Where the activations are bf16 the prefill multiplies the blocks dequantized (1%
-    # gate: met). With float32 activations every call, prefill too, takes the int8 path:
-    # measured on Zen 3 +1.33% as a prefill (over the gate, a gap) and +0.54% through the
-    # decode path. Both move with summation order alone (int8 roundings flip with an
+    int8_prefill = not cpu_kernels_supported()
+    # As a prefill. bf16 activations multiply the blocks dequantized: -0.06% on Zen 5 (the
+    # 1% gate met). float32 activations take the int8 path every call: +1.33% on Zen 3, over
+    # the gate (a gap), and it moves with summation order alone (int8 roundings flip with an
     # activation's last bit): torch's float32 norm gave +0.77%, a float64 mean of squares
     # +1.45%, the fused ops' +1.33%.
-    int8_prefill = not cpu_kernels_supported()
     assert abs(ppl / bf16_ppl - 1) < (0.015 if int8_prefill else 0.01), (ppl, bf16_ppl)
-    # Through the decode path the gate's 1% is NOT met with bf16 activations (+1.17%):
-    # asserted at the measured level, reported as a gap (see the module docstring).
-    assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.015, (decode_ppl, bf16_decode_ppl)
-    assert agreement_before_divergence(reference[1], tokens) >= 0.25
+    # Through the decode path: +1.17% with bf16 activations on Zen 5 (the 1% gate NOT met:
+    # a gap, see the module docstring), +0.50% with float32 ones on Zen 3.
+    decode_bound = 0.01 if int8_prefill else 0.015
+    assert abs(decode_ppl / bf16_decode_ppl - 1) < decode_bound, (decode_ppl, bf16_decode_ppl)
+    # Greedy tokens agreed before the first divergence: 41.1% when issue 46 was filed, 42.2%
+    # on Zen 3 (2026-11-26).
+    assert agreement_before_divergence(reference[1], tokens) >= 0.35
 
 
 @pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
