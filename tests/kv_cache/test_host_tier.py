@@ -112,12 +112,12 @@ while True:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_writer_killed_at_random_never_leaves_a_wrong_block(tmp_path, seed):
-    path = tmp_path / "tier.bin"
-    for _ in range(4):  # several kills into the same file
+    path, delays = tmp_path / "tier.bin", random.Random(seed)
+    for _ in range(4):  # several kills into the same file, each at its own moment
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)],
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(random.Random(seed).uniform(0.01, 0.2))
+        time.sleep(delays.uniform(0.01, 0.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         t = HostTier(path, HEADER_BYTES + 16 * (BLOCK + 36), BLOCK, "model-a")
@@ -128,3 +128,41 @@ def test_a_writer_killed_at_random_never_leaves_a_wrong_block(tmp_path, seed):
         assert sum(data is None for data in served.values()) <= 1  # at most the torn one
         assert len(keys) >= 1
         t.close()
+
+
+# A writer that SIGKILLs itself right after the N-th store into the file of its second put
+# (a put makes 4: the key zeroed, the data, the checksum, the key): every point a kill can
+# land between a put's stores, which a kill at a random time hits only by chance.
+KILLED_MID_PUT = """
+import os, signal, sys
+from kv_cache.host_tier import HEADER_BYTES, HostTier
+from tests.kv_cache.test_host_tier import block, tier
+
+class KillAfter:
+    def __init__(self, mm, stores):
+        self.mm, self.stores = mm, stores
+    def __setitem__(self, index, value):
+        self.mm[index] = value
+        self.mm.flush()
+        self.stores -= 1
+        if self.stores == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+t = tier(sys.argv[1])
+t.put(*block(0))
+t._mm = KillAfter(t._mm, int(sys.argv[2]))
+t.put(*block(1))
+"""
+
+
+@pytest.mark.parametrize("stores", [1, 2, 3, 4])
+def test_a_writer_killed_between_any_two_stores_of_a_put_leaves_no_wrong_block(tmp_path, stores):
+    path = tmp_path / "tier.bin"
+    run = subprocess.run([sys.executable, "-c", KILLED_MID_PUT, str(path), str(stores)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    again = tier(path)
+    assert again.get(block(0)[0]) == block(0)[1]  # the put before the kill, whole
+    # Killed before its key landed, the second put is not there at all; after it, whole.
+    assert again.get(block(1)[0]) == (block(1)[1] if stores == 4 else None)
+    assert again.dropped == 0 and len(again) == (2 if stores == 4 else 1)
