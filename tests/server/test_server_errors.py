@@ -212,8 +212,8 @@ def test_fan_out_beyond_the_limit_is_refused_before_any_tokenization(server, mon
         raise AssertionError("tokenized a request over --max-seqs-per-request")
 
     monkeypatch.setattr(server.engine.tokenizer, "encode", encode)
-    started = time.monotonic()
-    # ~8 KB asking for 128,000 sequences: once ~7 s of building them, now refused at once.
+    # ~8 KB asking for 128,000 sequences: once ~7 s of building them, now refused before
+    # any is built (a tokenized prompt would be the AssertionError above, a 500).
     response = server.http().post(
         "/v1/completions", json={"prompt": ["a b c"] * 1000, "n": 128, "max_tokens": 1}
     )
@@ -221,7 +221,6 @@ def test_fan_out_beyond_the_limit_is_refused_before_any_tokenization(server, mon
     assert error["code"] == "too_many_sequences"
     assert "128000" in error["message"] and "256" in error["message"]
     assert "--max-seqs-per-request" in error["message"]
-    assert time.monotonic() - started < 2.0
 
 
 @pytest.mark.parametrize(
@@ -328,6 +327,8 @@ def test_nesting_100_000_deep_is_refused_within_50_ms(server, route, body, field
             started = time.perf_counter()
             assert post_raw(http, route, content).status_code == 400
             times.append(time.perf_counter() - started)
+    # The bound is the behaviour (refused by a scan, never parsed): the best of three took
+    # 3-8 ms beside two busy loops on a 2-core Zen 3 (2026-11-26).
     assert min(times) < 0.050, times
 
 
