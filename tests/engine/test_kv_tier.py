@@ -98,18 +98,21 @@ KILLED_WRITER = textwrap.dedent("""
         while eng.has_unfinished_requests():
             eng.step()
         i += 1
+        print(i, flush=True)  # requests done: from the third on, the tier holds blocks
 """)
 
 
 def test_an_engine_killed_mid_write_leaves_no_wrong_block(model_dir, tmp_path, expected):
     cache = tmp_path / "cache"
-    for delay_s in (0.9,):  # a kill mid-churn (the file's own test kills a writer 12 times)
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(model_dir), str(cache)],
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(delay_s)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+    # A kill mid-churn, once the tier holds blocks however slow the machine (a fixed sleep
+    # raced it); the tier file's own test kills a writer between each of a put's stores.
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(model_dir), str(cache)],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    while int(proc.stdout.readline() or 0) < 4:  # (0: the writer died, and the test fails)
+        assert proc.poll() is None, "the writer died before it churned"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
     eng = engine(model_dir, cache, kv_offload_bytes=1 << 20)
     assert eng.kv_cache_manager.tier.reopened_entries > 0
     for g, prefix in enumerate(PREFIXES):  # whatever the tier gives back is right
