@@ -77,26 +77,34 @@ def registers_and_spills(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
+def variants() -> list[tuple[torch.dtype, str, tuple[int, int, int], str, AttentionMetadata]]:
+    """(dtype, its Triton name, head layout, step name, step) for every attention kernel
+    variant compiled: every layout in bf16, the 1B layout in the other dtypes."""
+    return [
+        (dtype, name, layout, step, meta)
+        for dtype, name in TRITON_DTYPES.items()
+        for layout in (LAYOUTS if dtype == torch.bfloat16 else LAYOUTS[1:2])
+        for step, meta in steps().items()
+    ]
+
+
 def compile_all(arch: str) -> int:
     target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
     count = 0
-    for dtype, name in TRITON_DTYPES.items():
-        layouts = LAYOUTS if dtype == torch.bfloat16 else LAYOUTS[1:2]
-        for heads, kv_heads, head_dim in layouts:
-            for step, meta in steps().items():
-                plan = tp.plan_step(meta, kv_heads)
-                consts = tp.attention_constexprs(plan, heads // kv_heads, head_dim, 16, dtype)
-                signature = attention_signature(name, plan.num_splits > 1)
-                warps = {"num_warps": consts.pop("num_warps")}
-                kernel = triton.compile(
-                    ASTSource(tp._paged_attention_kernel, signature, consts),
-                    target=target,
-                    options=warps,
-                )
-                regs, spills = registers_and_spills(kernel.asm["ptx"], target.arch)
-                print(f"{arch} attention {name} {heads}/{kv_heads}x{head_dim} {step}: {consts}, "
-                      f"{warps['num_warps']} warps, {regs} registers, {spills} bytes spilled")  # fmt: skip
-                count += 1
+    for dtype, name, (heads, kv_heads, head_dim), step, meta in variants():
+        plan = tp.plan_step(meta, kv_heads)
+        consts = tp.attention_constexprs(plan, heads // kv_heads, head_dim, 16, dtype)
+        signature = attention_signature(name, plan.num_splits > 1)
+        warps = {"num_warps": consts.pop("num_warps")}
+        kernel = triton.compile(
+            ASTSource(tp._paged_attention_kernel, signature, consts),
+            target=target,
+            options=warps,
+        )
+        regs, spills = registers_and_spills(kernel.asm["ptx"], target.arch)
+        print(f"{arch} attention {name} {heads}/{kv_heads}x{head_dim} {step}: {consts}, "
+              f"{warps['num_warps']} warps, {regs} registers, {spills} bytes spilled")  # fmt: skip
+        count += 1
     merge = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"}
     merge |= {n: "i32" for n in tp._merge_splits_kernel.arg_names if n not in merge}
     merge |= dict.fromkeys(("NUM_SPLITS", "BLOCK_S", "BLOCK_D"), "constexpr")
