@@ -104,12 +104,10 @@ def build_app(
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
-    if queue_timeout is not None and not 0 < queue_timeout < float("inf"):
-        raise ValueError(f"queue_timeout must be a number of seconds > 0, got {queue_timeout}")
-    if grammar_compile_timeout is not None and not 0 < grammar_compile_timeout < float("inf"):
-        raise ValueError(
-            f"grammar_compile_timeout must be a number of seconds > 0, got {grammar_compile_timeout}"
-        )
+    seconds = {"queue_timeout": queue_timeout, "grammar_compile_timeout": grammar_compile_timeout}
+    for name, value in seconds.items():
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
     ctx = ServingContext(
         engine=engine_client,
         served_model_name=served_model_name or engine_client.model_name,
