@@ -26,12 +26,31 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import engine.attention.sdpa as sdpa
+from bench.attention_steps import (
+    BLOCK_SIZE,
+    DTYPES,
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    SCALE,
+    SCENARIOS,
+    build_step,
+    scenario,
+)
+from bench.attention_variants import (
+    _with_decode_kernel,
+    cascade_explicit_merge,
+    decode_matmul,
+    decode_matmul_reused,
+    decode_sdpa_enable_gqa,
+    make_flex_backend,
+    sdpa_backend,
+    sdpa_per_request,
+)
 from engine.attention import (
     DEFAULT_BACKEND,
     AttentionBackend,
     AttentionMetadata,
-    SdpaBackend,
     allocate_kv_cache,
     get_attention_backend,
     reference_paged_attention,
@@ -39,261 +58,6 @@ from engine.attention import (
 )
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.kernels import cpu_kernels
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-SCALE = HEAD_DIM**-0.5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-# --------------------------------------------------------------------------- scenarios
-
-
-SHARED_GROUPS, SHARED_PREFIX = 4, 500
-
-
-def scenario(name: str) -> tuple[list[int], list[int], list[int | None]]:
-    """(query_lens, seq_lens, shared prefix group of each request or None) of a named step."""
-    rng = random.Random(name)
-    if name == "shared-decode64":  # 4 prefixes x 16 decodes, each with 16..144 own tokens
-        seq_lens = [SHARED_PREFIX + rng.randint(16, 144) for _ in range(64)]
-        return [1] * 64, seq_lens, [r % SHARED_GROUPS for r in range(64)]
-    if name.startswith("decode"):
-        batch = int(name.removeprefix("decode"))
-        return [1] * batch, [rng.randint(560, 640) for _ in range(batch)], [None] * batch
-    if name == "prefill500":
-        return [500], [500], [None]
-    if name == "prefill500+cached500":
-        return [500], [1000], [None]
-    if name == "mixed":  # 32 decodes riding along with a 256-token prefill chunk on a prefix
-        seq_lens = [rng.randint(560, 640) for _ in range(32)] + [768]
-        return [1] * 32 + [256], seq_lens, [None] * 33
-    raise ValueError(name)
-
-
-SCENARIOS = [
-    "decode1",
-    "decode8",
-    "decode32",
-    "decode64",
-    "shared-decode64",
-    "prefill500",
-    "prefill500+cached500",
-    "mixed",
-]
-
-
-def build_step(query_lens, seq_lens, dtype, seed=0, share=None):
-    """q, caches filled with random K/V, and the metadata, over shuffled physical blocks.
-
-    Requests with the same ``share`` group start with the same physical blocks: the
-    full blocks of a SHARED_PREFIX-token prefix, as prefix caching hands them out.
-    """
-    rng = random.Random(seed)
-    share = share or [None] * len(seq_lens)
-    shared_blocks = SHARED_PREFIX // BLOCK_SIZE
-    needed = [
-        (s + BLOCK_SIZE - 1) // BLOCK_SIZE - (shared_blocks if g is not None else 0)
-        for s, g in zip(seq_lens, share, strict=True)
-    ]
-    groups = sorted({g for g in share if g is not None})
-    num_blocks = sum(needed) + shared_blocks * len(groups) + 16
-    physical = list(range(num_blocks))
-    rng.shuffle(physical)
-    prefix = {}
-    for g in groups:
-        prefix[g], physical = physical[:shared_blocks], physical[shared_blocks:]
-    tables = []
-    for n, g in zip(needed, share, strict=True):
-        tables.append((prefix[g] if g is not None else []) + physical[:n])
-        physical = physical[n:]
-    ((k_cache, v_cache),) = allocate_kv_cache(
-        1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu"
-    )
-    k_cache.normal_()
-    v_cache.normal_()
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cpu")
-    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM).to(dtype)
-    return q, k_cache, v_cache, meta, tables
-
-
-# --------------------------------------------------------------------------- alternative backends
-
-
-def sdpa_per_request(q, k_cache, v_cache, meta, scale):
-    """The obvious loop: one SDPA call per request, enable_gqa, fresh gathers."""
-    out = torch.empty(q.shape, dtype=q.dtype)
-    starts = meta.query_start_loc_list
-    for r, q_len in enumerate(meta.query_lens):
-        seq_len = meta.seq_lens_list[r]
-        n = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        table = meta.block_tables[r, :n]
-        keys = k_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-        values = v_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-        qh = q[starts[r] : starts[r + 1]].transpose(0, 1)[None]
-        mask = None
-        if q_len > 1:
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(seq_len - q_len)
-        o = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1)
-    return out
-
-
-def sdpa_backend(decode_group: int | None = None, cascade: bool = True) -> SdpaBackend:
-    return SdpaBackend(NUM_HEADS, NUM_KV_HEADS, decode_group, cascade)
-
-
-class SdpaWithKernel(SdpaBackend):
-    """The SDPA backend with one of its kernels (a function of engine.attention.sdpa) swapped."""
-
-    def __init__(self, kernel: str, fn: Callable, **options) -> None:
-        super().__init__(NUM_HEADS, NUM_KV_HEADS, **options)
-        self.kernel, self.fn = kernel, fn
-
-    def __call__(self, q, k_cache, v_cache, meta, scale):
-        original = getattr(sdpa, self.kernel)
-        setattr(sdpa, self.kernel, self.fn)
-        try:
-            return super().__call__(q, k_cache, v_cache, meta, scale)
-        finally:
-            setattr(sdpa, self.kernel, original)
-
-
-def _with_decode_kernel(decode_fn, group_size: int = 1 << 30) -> SdpaWithKernel:
-    """The default backend with its per-group decode kernel swapped for ``decode_fn``."""
-    return SdpaWithKernel("_sdpa_decode_group", decode_fn, decode_group=group_size, cascade=False)
-
-
-def cascade_explicit_merge():
-    """The default backend with the cascade's suffix pass done by explicit matmuls.
-
-    Each member's own blocks are attended with matmul + float32 softmax, keeping the
-    log-sum-exp, and merged with the prefix result by the formula, instead of the
-    default's single SDPA call that merges through pseudo keys.
-    """
-
-    def suffix(q, k_cache, v_cache, group, scale, prefix_out, prefix_lse):
-        size, num_heads, head_dim = q.shape
-        per_kv = num_heads // NUM_KV_HEADS
-        keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, size)
-        keys, values = sdpa._as_float32(keys, values)
-        own = slice(0, group.padded_len)
-        qg = q.reshape(size, NUM_KV_HEADS, per_kv, head_dim).float() * scale
-        scores = torch.empty(NUM_KV_HEADS, size, per_kv, group.padded_len)
-        for j in range(NUM_KV_HEADS):
-            torch.bmm(qg[:, j], keys[:, own, j].transpose(1, 2), out=scores[j])
-        scores += group.mask[:, 0, :, own].unsqueeze(0)  # 0 / -inf for padding
-        row_max = scores.amax(-1, keepdim=True)
-        weights = scores.sub_(row_max).exp_()
-        row_sum = weights.sum(-1, keepdim=True)
-        out = torch.empty(NUM_KV_HEADS, size, per_kv, head_dim)
-        for j in range(NUM_KV_HEADS):
-            torch.bmm(weights[j], values[:, own, j], out=out[j])
-        lse = (row_max + row_sum.log()).squeeze(-1).permute(1, 0, 2).reshape(size, num_heads)
-        out = (out / row_sum).permute(1, 0, 2, 3).reshape(size, num_heads, head_dim)
-        top = torch.maximum(lse, prefix_lse)
-        w_own, w_prefix = (lse - top).exp()[..., None], (prefix_lse - top).exp()[..., None]
-        merged = (out * w_own + prefix_out * w_prefix) / (w_own + w_prefix)
-        return merged.to(q.dtype)
-
-    return SdpaWithKernel("_sdpa_cascade_suffix", suffix)
-
-
-def _gather_padded(cache, group, size):
-    blocks = cache.index_select(0, group.flat_block_table)  # a fresh tensor per call
-    return blocks.view(size, group.padded_len, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-
-
-def decode_sdpa_enable_gqa(q, k_cache, v_cache, group, scale):
-    """Decodes as [G, h, 1, d] queries with SDPA's own GQA broadcasting (fresh gathers)."""
-    n = q.shape[0]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None], _gather_padded(k_cache, group, n), _gather_padded(v_cache, group, n),
-        attn_mask=group.mask, scale=scale, enable_gqa=True,
-    )  # fmt: skip
-    return out[:, :, 0]
-
-
-def decode_matmul(q, k_cache, v_cache, group, scale):
-    """Decodes with explicit matmul / float32 softmax (fresh gathers)."""
-    n = q.shape[0]
-    keys, values = _gather_padded(k_cache, group, n), _gather_padded(v_cache, group, n)
-    qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
-    if group.mask is not None:
-        scores = scores.masked_fill(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).reshape(n, NUM_HEADS, HEAD_DIM)
-
-
-def decode_matmul_reused(q, k_cache, v_cache, group, scale):
-    """Explicit matmul / float32 softmax over K/V gathered into the reused workspace."""
-    n = q.shape[0]
-    keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, n)
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [G, kvh, S, d], strided
-    qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
-    if group.mask is not None:
-        scores = scores.masked_fill(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).reshape(n, NUM_HEADS, HEAD_DIM)
-
-
-def make_flex_backend():
-    """flex_attention compiled by inductor: padded batched decode + per-request prefill."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    flex = torch.compile(flex_attention, dynamic=False)
-
-    def decode(q, k_cache, v_cache, group, scale):
-        d = q.shape[0]
-        seq_lens = (
-            group.mask.view(d, -1).sum(-1)
-            if group.mask is not None
-            else torch.full((d,), group.padded_len)
-        )
-
-        def key_valid(b, h, q_idx, kv_idx):
-            return kv_idx < seq_lens[b]
-
-        block_mask = create_block_mask(key_valid, d, None, 1, group.padded_len, device="cpu")
-        out = flex(
-            q[:, :, None], _gather_padded(k_cache, group, d), _gather_padded(v_cache, group, d),
-            block_mask=block_mask, scale=scale, enable_gqa=True,
-        )  # fmt: skip
-        return out[:, :, 0]
-
-    class FlexBackend(SdpaWithKernel):
-        """All decodes in one flex call (the swapped kernel), then the prefills redone by flex."""
-
-        def __call__(self, q, k_cache, v_cache, meta, scale):
-            out = super().__call__(q, k_cache, v_cache, meta, scale)
-            return flex_prefills(out, q, k_cache, v_cache, meta, scale)
-
-    def flex_prefills(out, q, k_cache, v_cache, meta, scale):
-        starts = meta.query_start_loc_list
-        for r, q_len in enumerate(meta.query_lens):
-            if q_len == 1:
-                continue
-            seq_len = meta.seq_lens_list[r]
-            n = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-            table = meta.block_tables[r, :n]
-            keys = k_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-            values = v_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-            offset = seq_len - q_len
-
-            def causal(b, h, q_idx, kv_idx, offset=offset):
-                return kv_idx <= q_idx + offset
-
-            block_mask = create_block_mask(causal, 1, None, q_len, seq_len, device="cpu")
-            qh = q[starts[r] : starts[r + 1]].transpose(0, 1)[None]
-            o = flex(qh, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
-            out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1)
-        return out
-
-    return FlexBackend("_sdpa_decode_group", decode, decode_group=1 << 30, cascade=False)
-
 
 # --------------------------------------------------------------------------- timing
 
