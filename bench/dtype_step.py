@@ -67,18 +67,18 @@ def finish_prefills(engine, rng: random.Random, vocab: int, skip: bool) -> None:
     depend on the cache's values."""
     from engine.model_runner import SampledToken
 
-    execute = engine.runner.execute
+    execute = engine.core.runner.execute
     if skip:
-        engine.runner.execute = lambda out: {
+        engine.core.runner.execute = lambda out: {
             s.request_id: SampledToken(rng.randrange(100, vocab), None)
             for s in out.scheduled
             if s.sample
         }
     while any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.requests.values()
     ):
         engine.step()
-    engine.runner.execute = execute
+    engine.core.runner.execute = execute
 
 
 def use_torch_ops(engine) -> None:
@@ -86,10 +86,10 @@ def use_torch_ops(engine) -> None:
     (its attention backend stays as chosen)."""
     from engine.models.linear import Linear
 
-    model = engine.model
+    model = engine.core.model
     for module in model.modules():
         if isinstance(module, Linear):
-            module.kernel = None
+            module.method.kernel = None
     model.head_kernel = model.fused_ops = None
 
 

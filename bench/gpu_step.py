@@ -111,7 +111,7 @@ def decoding_engine(
     engine = LLMEngine(config)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
-    vocab = min(engine.vocab_size, 40000)
+    vocab = min(engine.core.vocab_size, 40000)
     for i in range(batch):
         engine.add_request(str(i), [rng.randrange(100, vocab) for _ in range(context)], params)
     finish_prefills(engine, rng, vocab, skip=True)
@@ -125,7 +125,7 @@ def timed_steps_ms(engines: dict, rounds: int, steps: int) -> dict[str, float]:
             engine.step()
     medians = step_medians_ms(engines, rounds, steps)
     for name, engine in engines.items():
-        if len(engine.scheduler.running) != len(engine.scheduler.requests):
+        if len(engine.core.scheduler.running) != len(engine.core.scheduler.requests):
             raise RuntimeError(f"{name}: requests finished or waited while timed")
     return medians
 
@@ -267,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             for mode in MODES
         }
         if shape is None:
-            shape = ModelShape.of(next(iter(engines.values())).model)
+            shape = ModelShape.of(next(iter(engines.values())).core.model)
             floor_ms = shape.weight_bytes / (hbm * 1e9) * 1e3 if hbm else None
             result["weight_bytes"], result["floor_ms"] = shape.weight_bytes, floor_ms
             floor = f"{floor_ms:.3f} ms" if floor_ms else "n/a"
             print(f"floor: {shape.weight_bytes / 1e9:.3f} GB of weights per step -> {floor}")
         medians = timed_steps_ms(engines, args.rounds, args.steps)
         for mode, ms in medians.items():
-            captured = engines[mode].runner.graphs is not None
+            captured = engines[mode].core.runner.graphs is not None
             x_floor = ms / floor_ms if floor_ms else None
             entry = {"batch": batch, "mode": mode, "median_ms": ms, "graphs_captured": captured}
             result["steps"].append(entry | {"x_floor": x_floor})

@@ -81,10 +81,10 @@ def engine_step_ms(engine: Any, batch: int, schema: dict | None, steps: int) -> 
                             structured_outputs=spec)  # fmt: skip
     ids = [f"step-{spec is not None}-{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
-        prompt = engine.tokenizer.encode(f"Request {i}: list {batch} fruits as JSON.")
+        prompt = engine.core.tokenizer.encode(f"Request {i}: list {batch} fruits as JSON.")
         engine.add_request(rid, prompt, params)
-    while engine.scheduler.num_waiting or any(  # until every prompt is prefilled
-        not engine.scheduler.requests[r].output_token_ids for r in ids
+    while engine.core.scheduler.num_waiting or any(  # until every prompt is prefilled
+        not engine.core.scheduler.requests[r].output_token_ids for r in ids
     ):
         engine.step()
     times = []
@@ -100,7 +100,7 @@ def bench_engine(batches: tuple[int, ...], steps: int, rounds: int) -> list[str]
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig())
-    lines = [f"engine: {engine.model_name}, {engine.compute_summary}"]
+    lines = [f"engine: {engine.core.model_name}, {engine.core.compute_summary}"]
     schemas = {"a JSON schema": LONG_LIST, "a JSON schema of maxLength strings": BOUNDED_LIST}
     for batch in batches:
         for label, schema in schemas.items():

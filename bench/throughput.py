@@ -161,9 +161,9 @@ def read_bandwidth_gbs() -> float:
 
 def matmul_gflops(llm: LLM, rows: int) -> float:
     """Matmul rate (GFLOP/s) of ``rows`` tokens through the MLP's gate/up shape, model dtype."""
-    dtype = llm.engine.dtype
-    hidden = llm.engine.hf_config.hidden_size
-    inter = llm.engine.hf_config.intermediate_size
+    dtype = llm.engine.core.dtype
+    hidden = llm.engine.core.config.hf_config.hidden_size
+    inter = llm.engine.core.config.hf_config.intermediate_size
     a = torch.randn(rows, hidden, dtype=dtype)
     w = torch.randn(hidden, 2 * inter, dtype=dtype)  # the model's [in, out] layout
     rates = []
@@ -184,8 +184,8 @@ def decode_step_seconds(llm: LLM, batch: int, context: int) -> float:
             f"decode-{batch}-{i}", [rng.randrange(100, 20000) for _ in range(context)], params
         )
     while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running)
-        or eng.scheduler.num_waiting
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.core.scheduler.running)
+        or eng.core.scheduler.num_waiting
     ):
         eng.step()
     times = []
@@ -196,8 +196,8 @@ def decode_step_seconds(llm: LLM, batch: int, context: int) -> float:
 
 
 def model_bytes_and_flops(llm: LLM) -> tuple[int, int]:
-    params = sum(p.numel() for p in llm.engine.model.parameters())
-    size = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    params = sum(p.numel() for p in llm.engine.core.model.parameters())
+    size = sum(p.numel() * p.element_size() for p in llm.engine.core.model.parameters())
     return size, 2 * params
 
 
@@ -259,7 +259,7 @@ def main() -> None:
     if not args.skip_transformers:
         from engine.loader import load_reference_model, resolve_model_dir
 
-        hf = load_reference_model(resolve_model_dir(None), llm.engine.dtype)
+        hf = load_reference_model(resolve_model_dir(None), llm.engine.core.dtype)
         pad = llm.tokenizer.pad_token_id or 0
         hf_shared = run_transformers(hf, work.shared, args.max_tokens, args.hf_batch, pad)
         hf_unique = run_transformers(hf, work.unique, args.max_tokens, args.hf_batch, pad)

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,11 @@ from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.tp_worker import start_workers, stop_workers, worker_step
 from scheduler import Request, SamplingParams, Scheduler, SchedulerOutput, fits_context
+
+if TYPE_CHECKING:  # types only: grammar_cache imports xgrammar, which loads on first use
+    from engine.structured_output.grammar_cache import CompileResult
+    from kv_cache import BlockCounts, PoolSnapshot
+    from scheduler import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +156,63 @@ class EngineCore:
             return f"CUDA graphs off ({self._graphs_off()})"
         sizes = graphs.captured
         return f"CUDA graphs for decode batches {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+
+    # -- the server's API -------------------------------------------------------------------
+    # What the server (its engine thread, metrics, dashboard, start-up banner and replicas)
+    # needs beyond the requests and the step below: it reaches no further into the core's
+    # parts (scheduler, KV manager, grammars, config), so they can change behind these.
+
+    @property
+    def block_size(self) -> int:
+        return self.config.engine.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
+
+    @property
+    def model_source(self) -> str:
+        """The model as it was named (`--model`), or "default" for the default model."""
+        return self.config.engine.model or "default"
+
+    @property
+    def kv_blocks(self) -> BlockCounts:
+        """The pool's block counts as last published. Any thread: the core replaces this
+        immutable object whenever the pool changes (steps, aborts, a cache reset)."""
+        return self.stats.kv_blocks
+
+    def refresh_stats(self) -> EngineStats:
+        """`stats` with what changes between steps brought up to date (requests running and
+        waiting, the pool's use, the prefix cache's counters): after aborts or a cache reset
+        with nothing left to step, the last step's snapshot is stale. Engine thread only."""
+        s, kv = self.stats, self.kv_cache_manager
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = kv.usage
+        s.kv_blocks = kv.block_counts()
+        s.prefix_cache_queries = kv.stats.queries
+        s.prefix_cache_hits = kv.stats.hits
+        return s
+
+    def pool_snapshot(self, max_prefixes: int) -> PoolSnapshot:
+        """Every block's state and the `max_prefixes` prefixes holding the most blocks.
+        O(blocks): for a dashboard's occasional look, not every step. Engine thread only."""
+        return self.kv_cache_manager.snapshot(max_prefixes)
+
+    def prepare_grammars(self) -> None:
+        """Build the grammar compiler (~0.1 s of tokenizer work) before the first
+        constrained request needs it. Any thread."""
+        self.structured_outputs.grammars  # noqa: B018 - built on first access
+
+    def compile_grammar(self, spec: StructuredOutputs) -> CompileResult:
+        """Compile a request's grammar into the cache `add_request` reads, so that adding the
+        request does not compile on the stepping thread. Any thread; GrammarError (a
+        ValueError with the compiler's message) when the spec cannot be compiled."""
+        return self.structured_outputs.compile(spec)
 
     # -- sizing the KV cache ---------------------------------------------------------------
 

@@ -19,7 +19,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **fields) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **fields))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.core.tokenizer
         self._counter = 0
 
     def generate(

@@ -4,7 +4,8 @@
 drive: `add_request`, then `step()` until `has_unfinished_requests()` is False, each step
 giving `RequestOutput`s with text. The server does not use it: it runs the `EngineCore`
 on its engine thread and the `OutputProcessor` on its event loop (server/async_engine.py).
-Not thread-safe: one thread calls everything.
+Not thread-safe: one thread calls everything. The core's facts and parts (tokenizer,
+model, scheduler, stats...) are its own: `llm_engine.core.<name>`.
 """
 
 from __future__ import annotations
@@ -26,27 +27,6 @@ class LLMEngine:
     ) -> None:
         self.core = core = EngineCore.from_config(config, kv_event_listener)
         self.processor: OutputProcessor[None] = OutputProcessor(core.tokenizer)
-        # The core's parts, for callers that inspect them (benchmarks, tests): the core
-        # owns them; these are references that never change.
-        self.config = config
-        self.tokenizer = core.tokenizer
-        self.model_name = core.model_name
-        self.eos_token_ids = core.eos_token_ids
-        self.model = core.model
-        self.runner = core.runner
-        self.scheduler = core.scheduler
-        self.kv_cache_manager = core.kv_cache_manager
-        self.structured_outputs = core.structured_outputs
-        self.stats = core.stats
-        resolved = core.config
-        self.hf_config = resolved.hf_config
-        self.device, self.dtype = resolved.device, resolved.dtype
-        self.max_model_len, self.num_blocks = resolved.max_model_len, resolved.num_blocks
-        self.vocab_size = resolved.vocab_size
-
-    @property
-    def compute_summary(self) -> str:
-        return self.core.compute_summary
 
     def add_request(
         self,

@@ -30,19 +30,20 @@ def text_logits(
     """
     if len(token_ids) < 2:
         raise ValueError("need at least two tokens")
-    if len(token_ids) > engine.max_model_len:
-        raise ValueError(f"{len(token_ids)} tokens do not fit max_model_len {engine.max_model_len}")
-    model, bs = engine.model, engine.config.block_size
+    core = engine.core
+    if len(token_ids) > core.max_model_len:
+        raise ValueError(f"{len(token_ids)} tokens do not fit max_model_len {core.max_model_len}")
+    model, bs, config = core.model, core.block_size, core.config.engine
     blocks = list(range(-(-len(token_ids) // bs)))
     scratch = allocate_kv_cache(
-        engine.hf_config.num_hidden_layers, len(blocks), bs, model.num_kv_heads,
-        model.head_dim, engine.dtype, engine.device, engine.config.kv_cache_quantized,
+        core.config.num_layers, len(blocks), bs, model.num_kv_heads,
+        model.head_dim, core.dtype, core.device, config.kv_cache_quantized,
     )  # fmt: skip
-    ids = torch.tensor(token_ids, device=engine.device)
-    chunk = chunk or engine.config.max_num_batched_tokens
+    ids = torch.tensor(token_ids, device=core.device)
+    chunk = chunk or config.max_num_batched_tokens
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
-        meta = AttentionMetadata.build([end - start], [end], [blocks], bs, engine.device)
+        meta = AttentionMetadata.build([end - start], [end], [blocks], bs, core.device)
         model.attn_backend.prepare(meta)
         yield model.compute_logits(model(ids[start:end], meta.positions, scratch, meta)), \
             ids[start + 1 : end + 1]  # fmt: skip

@@ -167,7 +167,7 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         # /metrics reads the pool's block counts the core last published (an immutable
         # object it replaces), so they are right before the first step and after aborts.
-        self.metrics.watch_kv_blocks(lambda: core.stats.kv_blocks)
+        self.metrics.watch_kv_blocks(lambda: core.kv_blocks)
         self._stats_logger = StatsLogger(log_interval_s)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _dead/_num_queued against the dying thread
@@ -257,9 +257,7 @@ class AsyncEngine:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        structured = self.core.structured_outputs
-        # Build the grammar backend before the first request needs it.
-        self._compiler.submit(lambda: structured.grammars)
+        self._compiler.submit(self.core.prepare_grammars)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -329,8 +327,7 @@ class AsyncEngine:
         with the compiler's message) when the spec cannot be compiled; with `timeout_s`,
         CompilerBusy or CompileTimedOut (server/grammar_compiler.py) past it.
         """
-        compile_spec = self.core.structured_outputs.compile
-        result = await self._compiler.run(compile_spec, spec, timeout_s=timeout_s)
+        result = await self._compiler.run(self.core.compile_grammar, spec, timeout_s=timeout_s)
         self.metrics.on_grammar(result.cache_hit, result.seconds)
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
@@ -544,14 +541,11 @@ class AsyncEngine:
             ) from exc
 
     def _refresh_idle_gauges(self) -> None:
-        # Stats are a per-step snapshot; after aborts with nothing left to step, the
-        # scheduler and KV manager are the live truth.
-        scheduler = self.core.scheduler
-        self._num_engine_waiting = scheduler.num_waiting
-        self.metrics.set_gauges(
-            scheduler.num_running, scheduler.num_waiting, self.core.kv_cache_manager.usage
-        )
-        self._stats_logger.on_idle(self.core.stats)
+        # Stats are a per-step snapshot; after aborts with nothing left to step they are stale.
+        stats = self.core.refresh_stats()
+        self._num_engine_waiting = stats.num_waiting
+        self.metrics.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        self._stats_logger.on_idle(stats)
 
     def _die(self, reason: str) -> None:
         """Fail everything in flight and everything queued; refuse all later commands."""

@@ -382,13 +382,12 @@ def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def startup_banner(core: Any, served_name: str, host: str, port: int) -> str:
-    config = core.config  # resolved
-    dtype = str(config.dtype).removeprefix("torch.")
+    dtype = str(core.dtype).removeprefix("torch.")
     url = f"http://{host}:{port}"
     return (
-        f"pagedserve: model {served_name} ({config.engine.model or 'default'}), dtype {dtype}, "
-        f"device {config.device}, {config.num_blocks} KV blocks of {config.engine.block_size} "
-        f"tokens, max_model_len {config.max_model_len}\n"
+        f"pagedserve: model {served_name} ({core.model_source}), dtype {dtype}, "
+        f"device {core.device}, {core.num_blocks} KV blocks of {core.block_size} "
+        f"tokens, max_model_len {core.max_model_len}\n"
         f"pagedserve: {core.compute_summary}\n"
         f"pagedserve: serving the OpenAI API at {url}/v1 (Ctrl-C or SIGTERM drains and stops)"
     )
@@ -421,7 +420,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     if engine is None:
         return 2
-    tokenizer = engine.tokenizer
+    tokenizer = engine.core.tokenizer
     if args.chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False

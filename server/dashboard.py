@@ -102,14 +102,14 @@ class _Taken:
 
 def _take(core: EngineCore) -> _Taken:
     """On the engine thread, between steps (`EngineClient.call`)."""
-    kv, scheduler = core.kv_cache_manager, core.scheduler
+    stats = core.refresh_stats()
     return _Taken(
-        snapshot=kv.snapshot(MAX_PREFIXES),
-        block_size=kv.block_size,
-        queries=kv.stats.queries,
-        hits=kv.stats.hits,
-        running=scheduler.num_running,
-        waiting=scheduler.num_waiting,
+        snapshot=core.pool_snapshot(MAX_PREFIXES),
+        block_size=core.block_size,
+        queries=stats.prefix_cache_queries,
+        hits=stats.prefix_cache_hits,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
         taken_at=time.time(),
     )
 

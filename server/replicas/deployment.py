@@ -56,7 +56,7 @@ class EngineReplica:
             "max_model_len": core.max_model_len,
             "vocab_size": core.vocab_size,
             "eos_token_ids": sorted(core.eos_token_ids),
-            "block_size": core.config.engine.block_size,
+            "block_size": core.block_size,
         }
 
     async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[list[Any]]:

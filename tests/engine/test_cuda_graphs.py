@@ -157,7 +157,7 @@ def test_the_tables_written_are_the_requests_whatever_changed(data):
 
 def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir):
     engine = tiny_engine(model_dir, max_num_seqs=6)
-    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16, 128, 6,
+    graphs = CudaGraphRunner(engine.core.model, engine.core.runner.kv_caches, 16, 128, 6,
                              torch.device("cpu"))  # fmt: skip
     assert graphs.graph_size(decodes([5])) is None  # nothing captured yet
     capture = RerunCapture()
@@ -209,25 +209,25 @@ def greedy_run(engine: LLMEngine) -> dict[str, list[int]]:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-    kv = engine.kv_cache_manager
+    kv = engine.core.kv_cache_manager
     kv.check_invariants()
-    assert kv.num_free_blocks == engine.num_blocks  # every request returned its blocks
+    assert kv.num_free_blocks == engine.core.num_blocks  # every request returned its blocks
     return done
 
 
 def test_replayed_decodes_give_the_eager_tokens(model_dir, eager, device):
     engine = tiny_engine(model_dir, device, max_num_seqs=4)
     if device.type == "cuda":
-        assert engine.runner.graphs is not None  # captured by the engine at start-up
-        assert "CUDA graphs for decode batches 1..4" in engine.compute_summary
+        assert engine.core.runner.graphs is not None  # captured by the engine at start-up
+        assert "CUDA graphs for decode batches 1..4" in engine.core.compute_summary
         assert greedy_run(engine) == eager
         return
-    assert engine.runner.graphs is None  # CPU: never captured by the engine itself
-    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16,
+    assert engine.core.runner.graphs is None  # CPU: never captured by the engine itself
+    graphs = CudaGraphRunner(engine.core.model, engine.core.runner.kv_caches, 16,
                              engine.core.max_model_len, 4, device)  # fmt: skip
     capture = RerunCapture()
     graphs.capture(capture)
-    engine.runner.graphs = graphs
+    engine.core.runner.graphs = graphs
     assert greedy_run(engine) == eager
     # Decode steps of 3 and 2 requests replayed padded to 4 and 2; of 1 at 1.
     assert {4, 2, 1} <= set(capture.replays)
@@ -242,11 +242,11 @@ def test_a_replay_reads_only_the_buffers(model_dir, eager, device):
     # Without the copy into the buffers, a replay recomputes the capture's inputs: the
     # tokens differ from the eager ones (on CPU this guards the stand-in capture itself).
     engine = tiny_engine(model_dir, device, max_num_seqs=4)
-    graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches, 16,
+    graphs = CudaGraphRunner(engine.core.model, engine.core.runner.kv_caches, 16,
                              engine.core.max_model_len, 4, device)  # fmt: skip
     graphs.capture(capture_for(device))
     graphs.buffers.load = lambda *args: None
-    engine.runner.graphs = graphs
+    engine.core.runner.graphs = graphs
     assert greedy_run(engine) != eager
 
 
@@ -268,12 +268,12 @@ def test_replays_through_preemption_give_the_eager_tokens(model_dir, device):
                              max_num_batched_tokens=16, **overrides)  # fmt: skip
         capture = None
         if device.type != "cuda" and not overrides:
-            engine.runner.graphs = CudaGraphRunner(engine.core.model, engine.runner.kv_caches,
+            engine.core.runner.graphs = CudaGraphRunner(engine.core.model, engine.core.runner.kv_caches,
                                                    4, engine.core.max_model_len, 4, device)  # fmt: skip
             capture = RerunCapture()
-            engine.runner.graphs.capture(capture)
+            engine.core.runner.graphs.capture(capture)
         done = greedy_run(engine)
-        assert engine.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.num_preemptions > 0
         assert capture is None or capture.replays
         return done
 

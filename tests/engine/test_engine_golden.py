@@ -64,9 +64,9 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> li
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    kv = llm.engine.kv_cache_manager
+    kv = llm.engine.core.kv_cache_manager
     kv.check_invariants()
-    assert kv.num_free_blocks == llm.engine.num_blocks
+    assert kv.num_free_blocks == llm.engine.core.num_blocks
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -102,9 +102,9 @@ def test_preemption_and_chunking_keep_tokens_identical(tiny_model, tiny_referenc
         attention_backend=backend,
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    sched = llm.engine.scheduler
+    sched = llm.engine.core.scheduler
     assert sched.num_preemptions > 0
-    assert llm.engine.stats.num_steps > NEW_TOKENS + 2  # chunked prefill took extra steps
+    assert llm.engine.core.stats.num_steps > NEW_TOKENS + 2  # chunked prefill took extra steps
     assert_all_blocks_free(llm)
 
 
@@ -120,7 +120,7 @@ def test_prefix_hits_keep_tokens_identical(tiny_model, device, backend):
     )
     assert [o.token_ids for o in outs] == expected
     assert all(o.num_cached_tokens >= 48 for o in outs)
-    assert llm.engine.kv_cache_manager.stats.hits > 0
+    assert llm.engine.core.kv_cache_manager.stats.hits > 0
     assert_all_blocks_free(llm)
 
 
@@ -137,6 +137,6 @@ def test_all_three_mechanisms_at_once(tiny_model, device, backend):
         attention_backend=backend,
     )
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv_cache_manager.stats.hits > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.engine.core.kv_cache_manager.stats.hits > 0
     assert_all_blocks_free(llm)

@@ -182,17 +182,17 @@ def mixed_gguf(tmp_path_factory):
 
 def test_a_mixed_gguf_serves_from_its_blocks_as_its_dequantized_weights(mixed_gguf, tmp_path):
     native = LLM(model=str(mixed_gguf), cache_dir=str(tmp_path), num_blocks=64)
-    summary = native.engine.compute_summary
+    summary = native.engine.core.compute_summary
     for name in {t.name for layer in MIXED_LAYERS for t in layer.values()} - {"Q2_K"}:
         assert f"{name} x" in summary, (name, summary)
     # The one format with no kernel is served dequantized, and the start-up line says so.
     assert "(dequantized Q2_K) x1" in summary and "embedding Q4_0" in summary
-    assert isinstance(native.engine.model.embed_blocks.blocks, torch.Tensor)
+    assert isinstance(native.engine.core.model.embed_blocks.blocks, torch.Tensor)
     # The tied head multiplies a regrouped copy; the embedding reads the file's blocks.
-    assert native.engine.model.head_ggml[1] != [int(T.Q4_0)]
+    assert native.engine.core.model.head_ggml[1] != [int(T.Q4_0)]
 
     exact = LLM(model=str(mixed_gguf), cache_dir=str(tmp_path), num_blocks=64, dtype="float32")
-    assert "projections float32 x" in exact.engine.compute_summary
+    assert "projections float32 x" in exact.engine.core.compute_summary
     ids = native.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     got = torch.cat([logits for logits, _ in text_logits(native.engine, ids)])
     reference = torch.cat([logits for logits, _ in text_logits(exact.engine, ids)])

@@ -152,11 +152,11 @@ def test_the_default_model_with_an_int8_cache_serves_hits_and_preemptions():
     reference = [o.token_ids for o in roomy.generate(prompts, params)]
     tight = LLM(kv_cache_dtype="int8", num_blocks=12)  # 3 x 7 blocks needed at the end
     outs = [o.token_ids for o in tight.generate(prompts, params)]
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert tight.engine.stats.prefix_cache_hits > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.engine.core.stats.prefix_cache_hits > 0
     assert all(len(tokens) == 24 for tokens in outs)
     pairs = zip(outs, reference, strict=True)
     assert sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True)) >= 24
-    kv = tight.engine.kv_cache_manager
+    kv = tight.engine.core.kv_cache_manager
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks

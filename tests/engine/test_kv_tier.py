@@ -49,7 +49,7 @@ def expected(model_dir, tmp_path_factory):
 def test_a_block_goes_out_and_comes_back_bit_for_bit(model_dir, tmp_path):
     eng = engine(model_dir, tmp_path, kv_cache_dtype="int8")
     run(eng, "a", PREFIXES[0] + [1])
-    caches = eng.runner.kv_caches
+    caches = eng.core.runner.kv_caches
     assert block_nbytes(caches) == 2 * len(caches) * 8 * caches[0][0].shape[2] * (16 + 2)
     out = read_blocks(caches, [0, 3])
     write_blocks(caches, {5: out[0], 6: out[1]})
@@ -65,9 +65,9 @@ def test_evicted_prefixes_come_back_from_the_tier_with_the_same_tokens(
         for g, prefix in enumerate(PREFIXES):
             tokens, _ = run(eng, f"r{g}-{time.monotonic_ns()}", prefix + [7, g])
             assert tokens == expected[g]
-    assert eng.kv_cache_manager.stats.tier_hits > 0
-    assert eng.kv_cache_manager.hash_algo == "sha256"  # the tier's keys must outlive us
-    eng.kv_cache_manager.check_invariants()
+    assert eng.core.kv_cache_manager.stats.tier_hits > 0
+    assert eng.core.kv_cache_manager.hash_algo == "sha256"  # the tier's keys must outlive us
+    eng.core.kv_cache_manager.check_invariants()
 
 
 def test_a_restarted_engine_prefills_only_the_new_tokens(model_dir, tmp_path, expected):
@@ -75,13 +75,13 @@ def test_a_restarted_engine_prefills_only_the_new_tokens(model_dir, tmp_path, ex
     run(first, "warm", PREFIXES[1] + [7, 1])
     first.shutdown()  # saves the pool's cached blocks to the tier
     again = engine(model_dir, tmp_path, kv_offload_bytes=4 << 20)
-    assert again.kv_cache_manager.tier.reopened_entries >= 12
+    assert again.core.kv_cache_manager.tier.reopened_entries >= 12
     tokens, cached = run(again, "after", PREFIXES[1] + [7, 1])
     assert tokens == expected[1] and cached == 96
     # Another model (or layout) never reads this file's blocks.
     other = make_tiny_model_dir(tmp_path / "other", arch="llama", seed=6)
     stranger = engine(other, tmp_path, kv_offload_bytes=4 << 20)
-    assert stranger.kv_cache_manager.tier.reopened_entries == 0
+    assert stranger.core.kv_cache_manager.tier.reopened_entries == 0
 
 
 KILLED_WRITER = textwrap.dedent("""
@@ -114,7 +114,7 @@ def test_an_engine_killed_mid_write_leaves_no_wrong_block(model_dir, tmp_path, e
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     eng = engine(model_dir, cache, kv_offload_bytes=1 << 20)
-    assert eng.kv_cache_manager.tier.reopened_entries > 0
+    assert eng.core.kv_cache_manager.tier.reopened_entries > 0
     for g, prefix in enumerate(PREFIXES):  # whatever the tier gives back is right
         tokens, _ = run(eng, f"after{g}", prefix + [7, g])
         assert tokens == expected[g]

@@ -66,7 +66,7 @@ def test_abort_frees_blocks_in_every_state(llm):
     eng.add_request("running", PROMPT, params)
     eng.step()
     eng.add_request("waiting", PROMPT + [5], params)
-    assert eng.kv_cache_manager.num_free_blocks < eng.num_blocks
+    assert eng.core.kv_cache_manager.num_free_blocks < eng.core.num_blocks
     eng.abort_request(["running", "waiting"])
     assert not eng.has_unfinished_requests()
     assert_all_blocks_free(llm)
@@ -108,31 +108,31 @@ def test_impossible_requests_are_refused_with_the_limits(llm):
 
 def test_stats_follow_the_steps(llm):
     eng = llm.engine
-    before, prompt_before = eng.stats.generation_tokens, eng.stats.prompt_tokens
-    hits_before = eng.stats.prefix_cache_hits
+    before, prompt_before = eng.core.stats.generation_tokens, eng.core.stats.prompt_tokens
+    hits_before = eng.core.stats.prefix_cache_hits
     llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=3, temperature=0))
-    assert eng.stats.generation_tokens == before + 6
-    assert eng.stats.prefix_cache_hits > hits_before  # the second copy hit the first's blocks
+    assert eng.core.stats.generation_tokens == before + 6
+    assert eng.core.stats.prefix_cache_hits > hits_before  # the second copy hit the first's blocks
     # Every prompt token of both requests counts, the cached ones too (vLLM's prompt_tokens).
-    assert eng.stats.prompt_tokens == prompt_before + 2 * len(PROMPT)
-    assert eng.stats.num_running == 0 and eng.stats.num_waiting == 0
+    assert eng.core.stats.prompt_tokens == prompt_before + 2 * len(PROMPT)
+    assert eng.core.stats.num_running == 0 and eng.core.stats.num_waiting == 0
 
 
 def test_block_counts_are_published_after_steps_aborts_and_resets(llm):
     """stats.kv_blocks is what /metrics shows between steps too: the pool changes on an
     abort or a cache reset with no step after it."""
     eng = llm.engine
-    kv = eng.kv_cache_manager
-    assert eng.stats.kv_blocks == kv.block_counts()
+    kv = eng.core.kv_cache_manager
+    assert eng.core.stats.kv_blocks == kv.block_counts()
     eng.add_request("published", list(range(300, 340)), SamplingParams(max_tokens=50))
     eng.step()
-    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.in_use == 5
+    assert eng.core.stats.kv_blocks == kv.block_counts() and eng.core.stats.kv_blocks.in_use == 5
     eng.abort_request(["published"])
-    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.in_use == 0
-    assert eng.stats.kv_blocks.cached >= 5  # the 40-token prompt's 5 blocks stay cached
+    assert eng.core.stats.kv_blocks == kv.block_counts() and eng.core.stats.kv_blocks.in_use == 0
+    assert eng.core.stats.kv_blocks.cached >= 5  # the 40-token prompt's 5 blocks stay cached
     assert eng.reset_prefix_cache()
-    assert eng.stats.kv_blocks == kv.block_counts() and eng.stats.kv_blocks.cached == 0
-    assert eng.stats.kv_blocks.total == kv.num_blocks
+    assert eng.core.stats.kv_blocks == kv.block_counts() and eng.core.stats.kv_blocks.cached == 0
+    assert eng.core.stats.kv_blocks.total == kv.num_blocks
 
 
 def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
@@ -145,13 +145,16 @@ def test_kv_cache_sized_from_a_profiled_peak(model_dir, monkeypatch):
     )
     llm = LLM(model=str(model_dir), dtype="float32", gpu_memory_utilization=0.5)
     eng = llm.engine
-    per_block = eng.config.kv_cache_bytes_per_block(
-        eng.hf_config.num_hidden_layers, eng.model.num_kv_heads, eng.model.head_dim, 4
+    per_block = eng.core.config.engine.kv_cache_bytes_per_block(
+        eng.core.config.hf_config.num_hidden_layers,
+        eng.core.model.num_kv_heads,
+        eng.core.model.head_dim,
+        4,
     )
     # The pass ran 2048 tokens as 256 sequences of 8: one 16-token block each, a scratch
     # KV cache that the engine subtracts from the peak because the real cache replaces it.
     scratch = 256 * per_block
-    assert eng.num_blocks == (5 * 2**30 - (2 * 2**30 - scratch)) // per_block
+    assert eng.core.num_blocks == (5 * 2**30 - (2 * 2**30 - scratch)) // per_block
     out = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))[0]
     assert len(out.token_ids) == 2
 
@@ -165,14 +168,14 @@ def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
     for rid, prompt in (("a", PROMPT), ("b", PROMPT[::-1])):
         eng.add_request(rid, prompt, params)
         alone[rid] = run_until_done(eng)[rid].token_ids
-    real_execute = eng.runner.execute
+    real_execute = eng.core.runner.execute
 
     def execute(sched_out):  # a fault injected for one request id
         if any(s.request_id == "poisoned" for s in sched_out.scheduled):
             raise RuntimeError("injected fault")
         return real_execute(sched_out)
 
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.core.runner, "execute", execute)
     eng.add_request("a", PROMPT, params)
     eng.add_request("poisoned", PROMPT[:20], params)
     eng.add_request("b", PROMPT[::-1], params)
@@ -186,9 +189,9 @@ def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
     assert "injected fault" in str(failures[0])
     assert isinstance(failures[0].__cause__, RuntimeError)
     assert {rid: out.token_ids for rid, out in finished.items()} == alone
-    kv = eng.kv_cache_manager
+    kv = eng.core.kv_cache_manager
     kv.check_invariants()
-    assert kv.num_free_blocks == eng.num_blocks
+    assert kv.num_free_blocks == eng.core.num_blocks
 
 
 @pytest.mark.skipif(not cpu_kernels_supported(), reason="quantized weights need AVX512-BF16")
@@ -197,7 +200,7 @@ def test_quantized_engine_runs_on_its_weights_and_greedy_does_not_depend_on_the_
     model_dir, quantization, dtype
 ):
     llm = LLM(model=str(model_dir), dtype="bfloat16", quantization=quantization, num_blocks=128)
-    layers = llm.engine.model.layers
+    layers = llm.engine.core.model.layers
     assert all(lin.weight.dtype == dtype for layer in layers for lin in layer.linears())
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate([PROMPT], greedy)[0].token_ids
@@ -212,16 +215,16 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     from engine.attention import CpuPagedBackend, SdpaBackend
 
     engine = LLM(model=str(model_dir), dtype="bfloat16", num_blocks=64).engine
-    bf16 = engine.model
+    bf16 = engine.core.model
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
     assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
-    assert engine.compute_summary == (
+    assert engine.core.compute_summary == (
         "attention cpu-paged, CPU kernels AVX-512 BF16 (skinny GEMM, fused ops, decode stack), "
         "weights: projections bfloat16 x8, embedding bfloat16, head bfloat16"
     )
     fp32_engine = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine
-    assert isinstance(fp32_engine.model.attn_backend, SdpaBackend)
-    assert fp32_engine.compute_summary == (
+    assert isinstance(fp32_engine.core.model.attn_backend, SdpaBackend)
+    assert fp32_engine.core.compute_summary == (
         "attention sdpa, weights: projections float32 x8, embedding float32, head float32"
     )
 
@@ -243,10 +246,10 @@ def test_lpm_admission_changes_the_order_not_the_tokens(model_dir):
         for i, ids in enumerate(prompts):
             eng.add_request(f"p{i}", ids, params)
         eng.step()
-        first_admitted[policy] = [r.request_id for r in eng.scheduler.running]
+        first_admitted[policy] = [r.request_id for r in eng.core.scheduler.running]
         finished = run_until_done(eng)
         outputs[policy] = [finished[f"p{i}"].token_ids for i in range(4)]
-        assert eng.kv_cache_manager.num_free_blocks == eng.num_blocks
+        assert eng.core.kv_cache_manager.num_free_blocks == eng.core.num_blocks
     assert first_admitted == {"fcfs": ["p0"], "lpm": ["p1", "p3", "p0"]}
     assert outputs["lpm"] == outputs["fcfs"]
 
@@ -262,17 +265,17 @@ def test_a_retry_after_a_failed_step_does_not_hit_the_blocks_it_never_wrote(mode
     eng.add_request("alone", prompt, params)
     expected = run_until_done(eng)["alone"].token_ids
     eng.reset_prefix_cache()
-    real_execute = eng.runner.execute
+    real_execute = eng.core.runner.execute
 
     def execute(sched_out):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.core.runner, "execute", execute)
     eng.add_request("first-try", prompt, params)
     with pytest.raises(StepError):
         eng.step()
-    monkeypatch.setattr(eng.runner, "execute", real_execute)
+    monkeypatch.setattr(eng.core.runner, "execute", real_execute)
     eng.add_request("retry", prompt, params)
     assert run_until_done(eng)["retry"].token_ids == expected
-    assert eng.stats.prefix_cache_hits == 0
-    eng.kv_cache_manager.check_invariants()
+    assert eng.core.stats.prefix_cache_hits == 0
+    eng.core.kv_cache_manager.check_invariants()

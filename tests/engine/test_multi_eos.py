@@ -26,7 +26,7 @@ def multi_eos_llm(request, tmp_path_factory):
 
 def test_engine_loads_both_eos_ids(multi_eos_llm):
     llm, path = multi_eos_llm
-    assert llm.engine.eos_token_ids == frozenset({2, second_eos_id(path)})
+    assert llm.engine.core.eos_token_ids == frozenset({2, second_eos_id(path)})
 
 
 def test_greedy_stops_at_the_second_eos_as_transformers_does(multi_eos_llm):
@@ -47,7 +47,7 @@ def test_min_tokens_holds_back_every_eos(multi_eos_llm):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, min_tokens=5)
     out = llm.generate([MULTI_EOS_PROMPT], params)[0]
     assert len(out.token_ids) >= 5
-    assert not set(out.token_ids[:5]) & llm.engine.eos_token_ids
+    assert not set(out.token_ids[:5]) & llm.engine.core.eos_token_ids
     ignoring = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, min_tokens=2)
     out = llm.generate([MULTI_EOS_PROMPT], ignoring)[0]
     assert len(out.token_ids) == MAX_TOKENS and out.finish_reason == "length"
@@ -72,7 +72,7 @@ def test_every_sampling_option_in_one_batch(multi_eos_llm):
     prompts = [MULTI_EOS_PROMPT[: 10 + i] for i in range(len(variants))]
     prompts[3] = prompts[4] = prompts[2]  # the n choices share their prompt's blocks
     outs = llm.generate(prompts, variants, use_tqdm=False)
-    eos = llm.engine.eos_token_ids
+    eos = llm.engine.core.eos_token_ids
     for params, out in zip(variants, outs, strict=True):
         assert out.finished and len(out.token_ids) >= 3
         assert not set(out.token_ids[:3]) & eos  # min_tokens held back both ids

@@ -172,7 +172,7 @@ def test_perplexity_is_the_mean_nll_whatever_the_chunking(reference):
     ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))
     assert perplexity(llm.engine, ids) == pytest.approx(reference[0], rel=1e-4)
     assert 5 < reference[0] < 30  # a real model on real text, not a constant
-    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.core.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
 
 
 def test_float32_decode_path_perplexity_equals_the_prefill_one(reference):

@@ -162,13 +162,13 @@ def test_mixed_batch_under_preemption_keeps_grammars_and_reference_tokens():
                                   structured_outputs=spec)]  # fmt: skip
     outputs = small.chat(prompts + prompts[:2], [free] * 4 + constrained, use_tqdm=False)
 
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.core.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs[:4]] == expected
     for out in outputs[4:]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), MEASUREMENTS)
-    assert not small.engine.scheduler.requests  # every request, with its matcher, released
-    kv = small.engine.kv_cache_manager
+    assert not small.engine.core.scheduler.requests  # every request, with its matcher, released
+    kv = small.engine.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -177,7 +177,7 @@ def test_abort_releases_the_matcher(llm):
     spec = StructuredOutputs.json_schema(PERSON)
     engine.add_request("aborted", [1, 2, 3], SamplingParams(max_tokens=5, structured_outputs=spec))
     # The request holds its matcher (Request.grammar); nothing else may keep it alive.
-    matcher = weakref.ref(engine.scheduler.requests["aborted"].grammar)
+    matcher = weakref.ref(engine.core.scheduler.requests["aborted"].grammar)
     assert matcher() is not None
     engine.step()
     engine.abort_request(["aborted"])

@@ -44,11 +44,11 @@ def test_two_ranks_give_one_ranks_greedy_tokens_through_hits_and_preemption(mode
     split, two = run(model_dir, 2)
     assert split == single
     for engine in (one, two):
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.kv_cache_manager.stats.hits > 0
+        assert engine.core.scheduler.num_preemptions > 0
+        assert engine.core.kv_cache_manager.stats.hits > 0
     # Each rank holds half the KV heads: rank 0's cache is half the single process's.
-    assert two.model.num_kv_heads * 2 == one.model.num_kv_heads
-    assert two.runner.kv_caches[0][0].shape[2] == one.runner.kv_caches[0][0].shape[2] // 2
+    assert two.core.model.num_kv_heads * 2 == one.core.model.num_kv_heads
+    assert two.core.runner.kv_caches[0][0].shape[2] == one.core.runner.kv_caches[0][0].shape[2] // 2
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(model_dir):

@@ -76,7 +76,7 @@ class RunningServer:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def all_blocks_free(self) -> bool:
-        kv = self.engine.kv_cache_manager
+        kv = self.engine.core.kv_cache_manager
         return not self.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
 
 

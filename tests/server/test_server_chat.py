@@ -27,7 +27,7 @@ def test_chat_prompt_is_the_chat_template_with_generation_prompt(server):
     # The same ids sent as a completion prompt give the same greedy text.
     client = server.openai()
     ids = server.http().post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
-    text = server.engine.tokenizer.decode(ids)
+    text = server.engine.core.tokenizer.decode(ids)
     assert text.rstrip().endswith("assistant")  # SmolLM2: "<|im_start|>assistant\n"
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=6, **GREEDY

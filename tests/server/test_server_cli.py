@@ -34,7 +34,7 @@ def test_generate_prints_the_greedy_text(tiny_model_dir, capsys):
                  *ENGINE_FLAGS])  # fmt: skip
     assert code == 0
     engine = make_engine(tiny_model_dir, num_blocks=64)
-    expected = greedy_engine_text(tiny_model_dir, engine.tokenizer.encode("Hello there"), 6)
+    expected = greedy_engine_text(tiny_model_dir, engine.core.tokenizer.encode("Hello there"), 6)
     assert capsys.readouterr().out == expected + "\n"
 
 
@@ -42,7 +42,7 @@ def test_generate_chat_uses_the_chat_template(tiny_model_dir, capsys):
     code = main(["generate", "Hi", "--chat", "--model", str(tiny_model_dir), "--max-tokens", "4",
                  *ENGINE_FLAGS])  # fmt: skip
     assert code == 0
-    tokenizer = make_engine(tiny_model_dir, num_blocks=64).tokenizer
+    tokenizer = make_engine(tiny_model_dir, num_blocks=64).core.tokenizer
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )

@@ -211,7 +211,7 @@ def test_fan_out_beyond_the_limit_is_refused_before_any_tokenization(server, mon
     def encode(*_: object, **__: object) -> list[int]:
         raise AssertionError("tokenized a request over --max-seqs-per-request")
 
-    monkeypatch.setattr(server.engine.tokenizer, "encode", encode)
+    monkeypatch.setattr(server.engine.core.tokenizer, "encode", encode)
     # ~8 KB asking for 128,000 sequences: once ~7 s of building them, now refused before
     # any is built (a tokenized prompt would be the AssertionError above, a 500).
     response = server.http().post(

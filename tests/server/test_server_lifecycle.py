@@ -236,14 +236,14 @@ POISON = random_ids(990, 12)  # a prompt the injected fault recognises
 
 def poison_runner(engine, monkeypatch) -> None:
     """A fault injected into the model runner for every step that runs a poisoned request."""
-    real_execute = engine.runner.execute
+    real_execute = engine.core.runner.execute
 
     def execute(sched_out):
         if any(s.request.prompt_token_ids[: len(POISON)] == POISON for s in sched_out.scheduled):
             raise RuntimeError("injected fault")
         return real_execute(sched_out)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.core.runner, "execute", execute)
 
 
 def test_a_failed_step_fails_its_requests_and_the_server_goes_on(
@@ -307,7 +307,9 @@ def test_an_engine_that_keeps_failing_is_declared_dead(tiny_model_dir, monkeypat
                 json=long_request(702, False),
                 timeout=60,
             )
-            wait_until(lambda: len(engine.scheduler.requests) == 2, 30, "second request not added")
+            wait_until(
+                lambda: len(engine.core.scheduler.requests) == 2, 30, "second request not added"
+            )
             broken.set()  # failed step 1 of 3: both requests in flight fail with it
             rest = sse_payloads(lines)
         assert rest[-1] == "[DONE]"

@@ -13,7 +13,7 @@ SYSTEM = "You are the ship's computer. Answer in one short sentence. " * 4
 
 def test_a_pinned_system_prompt_is_hit_by_chats_after_the_pool_turned_over(tiny_model_dir):
     # 24 blocks of 16 tokens; the system prompt renders to ~60 tokens (3 full blocks).
-    engine = pin_prefixes(make_engine(tiny_model_dir, num_blocks=24), [SYSTEM], [])
+    engine = pin_prefixes(make_engine(tiny_model_dir, num_blocks=24).core, [SYSTEM], [])
     pinned = engine.kv_cache_manager.num_pinned_blocks
     assert pinned >= 3
     with running_server(engine) as server:
@@ -33,7 +33,7 @@ def test_a_pinned_system_prompt_is_hit_by_chats_after_the_pool_turned_over(tiny_
 def test_a_raw_prefix_from_a_file_is_pinned_as_completions_encode_it(tiny_model_dir, tmp_path):
     preamble = tmp_path / "few-shot.txt"
     preamble.write_text("Q: two plus two\nA: four\n" * 8, encoding="utf-8")
-    engine = pin_prefixes(make_engine(tiny_model_dir, num_blocks=32), [], [f"@{preamble}"])
+    engine = pin_prefixes(make_engine(tiny_model_dir, num_blocks=32).core, [], [f"@{preamble}"])
     ids = engine.tokenizer.encode(preamble.read_text(encoding="utf-8"))
     assert engine.kv_cache_manager.num_pinned_blocks == len(ids) // 16
     with pytest.raises(ValueError, match="cannot read the prefix to pin"):

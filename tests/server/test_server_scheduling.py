@@ -80,7 +80,7 @@ def test_a_request_still_queued_past_its_queue_timeout_gets_a_503(one_at_a_time)
         metrics = http.get("/metrics").text
     assert 'pagedserve:request_success_total{finished_reason="queue_timeout"} 2.0' in metrics
     engine = server.engine
-    wait_until(lambda: engine.kv_cache_manager.num_free_blocks == engine.num_blocks, 10,
+    wait_until(lambda: engine.core.kv_cache_manager.num_free_blocks == engine.core.num_blocks, 10,
                "blocks were not all returned")  # fmt: skip
 
 

@@ -428,7 +428,7 @@ def test_auto_shows_the_template_the_tools_and_the_earlier_calls(hermes_server):
     ]  # fmt: skip
     r = client.chat.completions.create(model="tiny-test-model", messages=history, tools=TOOLS,
                                        max_tokens=3)  # fmt: skip
-    tokenizer = hermes_server.engine.tokenizer
+    tokenizer = hermes_server.engine.core.tokenizer
     conversation = [
         ASK[0],
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
