@@ -72,7 +72,7 @@ from server.serving import (
     warn_unknown_fields,
 )
 from server.tokens import apply_chat_template
-from server.validation import check_token_ids
+from server.validation import check_token_ids, check_tokenize_input
 
 # The dashboard's page holds no data; its JSON (/dashboard/state) needs the key.
 OPEN_PATHS = frozenset({"/health", "/metrics", PAGE_PATH})
@@ -266,7 +266,7 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
-        body.check()
+        check_tokenize_input(body)
         warn_unknown_fields(body, "/tokenize")
         tokenizer = ctx.tokenizer
         if body.messages is not None:

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
+from server.chat_rendering import conversation
 from server.engine_client import EngineStream
 from server.protocol import (
     ChatChoice,
@@ -44,6 +45,7 @@ from server.serving import (
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
 from server.tool_calls import ToolCallReader, finish_reason, output_constraint, template_tools
+from server.validation import check_chat_supported
 
 
 async def create_chat_completion(
@@ -61,7 +63,7 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
     """The request's messages (and tools, where the template shows them) as token ids."""
     tools = template_tools(req, getattr(ctx.tokenizer, "chat_template", None))
     text = apply_chat_template(
-        ctx.tokenizer, req.conversation(), req.add_generation_prompt is not False, tools
+        ctx.tokenizer, conversation(req.messages), req.add_generation_prompt is not False, tools
     )
     return encode_chat(ctx.tokenizer, text)
 
@@ -78,7 +80,7 @@ async def serve_chat(
     """A chat request through the engine, answered by the view `make_view(prompt tokens)`
     makes: the one path of chat completions and of the APIs translated into it (Anthropic's
     Messages, OpenAI's Responses), so a conversation renders to the same tokens in each."""
-    check_request(ctx, req, endpoint, num_prompts=1)
+    check_request(ctx, req, endpoint, 1, check_chat_supported)
     constraint = output_constraint(req)
     prompt_ids = chat_prompt_ids(ctx, req)
     structured = await compile_constraint(ctx, constraint)

@@ -11,14 +11,12 @@ tokenizer's side (server/tokens.py: `apply_chat_template`, `encode_chat`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from server import json_body
 from server.errors import bad_request
+from server.protocol import ChatMessageParam, ToolCallParam
 from server.validation import reject_unsupported_message_fields
-
-if TYPE_CHECKING:  # types only: protocol.py imports this module
-    from server.protocol import ChatMessageParam, ToolCallParam
 
 # OpenAI's roles as chat templates know them ("developer" is a newer name for "system").
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",

@@ -33,15 +33,17 @@ from server.serving import (
     engine_requests_for_prompt,
     respond,
 )
+from server.structured_outputs import request_constraint
 from server.tokens import TokenStrings, encode_prompt
+from server.validation import check_completion_supported
 
 
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, raw_request: Request
 ) -> Response:
     prompts = req.prompt_list()
-    check_request(ctx, req, "/v1/completions", len(prompts))
-    constraint = req.structured_output()
+    check_request(ctx, req, "/v1/completions", len(prompts), check_completion_supported)
+    constraint = request_constraint(req)
     vocab_size = ctx.engine.vocab_size
     prompt_ids = [encode_prompt(ctx.tokenizer, p, vocab_size, "prompt") for p in prompts]
     echo = (

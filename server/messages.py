@@ -42,6 +42,7 @@ from server.protocol import (
 )
 from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
+from server.validation import check_tools
 
 # ------------------------------------------------------------------- request schemas
 
@@ -295,7 +296,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
 def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
     chat = chat_request(req)
     ctx.check_model(chat.model)
-    chat.check_tools()
+    check_tools(chat)
     return CountTokensResponse(input_tokens=len(chat_prompt_ids(ctx, chat)))
 
 

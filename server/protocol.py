@@ -4,13 +4,13 @@ Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups
 
 * supported: declared below and honoured;
 * known but not supported (`suffix`, `best_of` != n, `functions`, ...):
-  listed in `UNSUPPORTED_*` (server/validation.py); a request that sets one to a
-  non-empty value is a 400, never silently ignored;
+  listed in `UNSUPPORTED_*` below (the schema marks them; server/validation.py refuses
+  them): a request that sets one to a non-empty value is a 400, never silently ignored;
 * anything else: kept by `extra="allow"`, ignored, and named in a logged warning
   (`unknown_fields()`), as vLLM does, so a newer SDK field does not break clients.
 
-This module holds the schemas only. What a request means is worked out beside it, and
-the request models' methods hand over to those modules: server/validation.py (checks the
+This module holds the schemas only, and imports none of the modules that work out what a
+request means, which take its models as they are: server/validation.py (checks the
 schemas cannot express: the model's vocabulary and context, rules between fields),
 server/structured_outputs.py (response_format, structured_outputs, guided_* to the
 engine's `StructuredOutputs`), server/chat_rendering.py (messages as the chat template's
@@ -24,9 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from engine import SamplingParams, StructuredOutputs
-from server import chat_rendering, sampling_params, structured_outputs, validation
-from server.validation import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, UNSUPPORTED_MESSAGE_FIELDS
+from engine import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -34,6 +32,38 @@ MAX_TOP_K = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_QUEUE_TIMEOUT_S = 86_400.0  # a day: past it a deadline is no deadline
 LOGIT_BIAS_LIMIT = 100.0
+
+# vLLM-style extras and OpenAI fields this server cannot honour.
+_UNSUPPORTED_COMMON = (
+    "prompt_logprobs",
+    "guided_decoding_backend",  # there is one backend, xgrammar
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "allowed_token_ids",
+    "bad_words",
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "return_tokens_as_token_ids",
+    "logits_processors",
+)
+UNSUPPORTED_COMPLETION = ("suffix", *_UNSUPPORTED_COMMON)
+UNSUPPORTED_CHAT = (
+    "functions",
+    "function_call",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "continue_final_message",
+    "echo",
+    *_UNSUPPORTED_COMMON,
+)
+UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 
 
 # ------------------------------------------------------------------- request schemas
@@ -213,30 +243,6 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    # The request models keep these methods (the routes and tests call them); the rules
-    # live in the modules named, which see the models through their fields only.
-
-    def structured_output(self) -> tuple[StructuredOutputs, str] | None:
-        """The output constraint and the field it came from; 400 when more than one is set."""
-        return structured_outputs.request_constraint(self)
-
-    def check_common(self, vocab_size: int, max_model_len: int) -> None:
-        """400 for token ids outside the vocabulary and budgets the context cannot hold."""
-        validation.check_common(self, vocab_size, max_model_len)
-
-    def to_sampling_params(
-        self,
-        max_tokens: int,
-        logprobs: int | None,
-        choice: int,
-        vocab_size: int,
-        structured: StructuredOutputs | None = None,
-    ) -> SamplingParams:
-        """SamplingParams for choice `choice` of n; ValueError("<field> ...") when invalid."""
-        return sampling_params.to_sampling_params(
-            self, max_tokens, logprobs, choice, vocab_size, structured
-        )
-
 
 # --------------------------------------------------------------------------- completions
 
@@ -266,9 +272,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1)
-
-    def check_supported(self) -> None:
-        validation.check_completion_supported(self)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts as a list of strings and token-id lists (validation saw to >= 1)."""
@@ -436,12 +439,6 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None
     add_generation_prompt: bool | None = True
 
-    def check_supported(self) -> None:
-        validation.check_chat_supported(self)
-
-    def check_tools(self) -> None:
-        validation.check_tools(self)
-
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
         """How tools are used: "none" (ignored, also when there are none), "auto" (the model
@@ -459,10 +456,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """The messages as plain {role, content} dicts for the chat template."""
-        return chat_rendering.conversation(self.messages)
 
 
 class ChatTopLogprob(BaseModel):
@@ -564,9 +557,6 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
-
-    def check(self) -> None:
-        validation.check_tokenize_input(self)
 
 
 class TokenizeResponse(BaseModel):

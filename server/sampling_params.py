@@ -6,13 +6,11 @@ values (a ValueError that names the field, which the server turns into a 400).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import SamplingParams, StructuredOutputs
+from server.protocol import SamplingFields
 from server.validation import parse_logit_bias
-
-if TYPE_CHECKING:  # types only: protocol.py imports this module
-    from server.protocol import SamplingFields
 
 # Below this temperature sampling is numerically greedy anyway (vLLM does the same), and
 # dividing the logits by it could overflow.

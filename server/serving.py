@@ -46,8 +46,9 @@ from server.errors import (
 from server.grammar_compiler import CompilerBusy, CompileTimedOut
 from server.protocol import OpenAIBaseModel, SamplingFields
 from server.response_store import ResponseStore
+from server.sampling_params import to_sampling_params
 from server.tokens import TokenStrings
-from server.validation import check_context_length
+from server.validation import check_common, check_context_length
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +99,20 @@ def warn_unknown_fields(req: OpenAIBaseModel, endpoint: str) -> None:
         logger.warning("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
 
 
-def check_request(ctx: ServingContext, req: Any, endpoint: str, num_prompts: int) -> None:
-    """What every generation request is checked for before its prompt is read."""
+def check_request(
+    ctx: ServingContext,
+    req: Any,
+    endpoint: str,
+    num_prompts: int,
+    check_supported: Callable[[Any], None],
+) -> None:
+    """What every generation request is checked for before its prompt is read;
+    `check_supported`: the endpoint's refusal of the fields it cannot honour."""
     ctx.check_model(req.model)
     check_fan_out(ctx, num_prompts, req.num_choices)
-    req.check_supported()
+    check_supported(req)
     warn_unknown_fields(req, endpoint)
-    req.check_common(ctx.engine.vocab_size, ctx.engine.max_model_len)
+    check_common(req, ctx.engine.vocab_size, ctx.engine.max_model_len)
 
 
 def check_fan_out(ctx: ServingContext, num_prompts: int, n: int) -> None:
@@ -295,7 +303,7 @@ def sampling_params(
     structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     try:
-        return req.to_sampling_params(max_tokens, logprobs, choice, vocab_size, structured)
+        return to_sampling_params(req, max_tokens, logprobs, choice, vocab_size, structured)
     except ValueError as exc:
         raise from_value_error(exc) from exc
 

@@ -9,19 +9,17 @@ is where the two meet.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import StructuredOutputs
 from server import json_body
 from server.errors import bad_request
-
-if TYPE_CHECKING:  # types only: protocol.py imports this module
-    from server.protocol import (
-        JsonSchemaValue,
-        ResponseFormat,
-        SamplingFields,
-        StructuredOutputsParam,
-    )
+from server.protocol import (
+    JsonSchemaValue,
+    ResponseFormat,
+    SamplingFields,
+    StructuredOutputsParam,
+)
 
 # A constraint and the request field it came from.
 Constraint = tuple[StructuredOutputs, str]

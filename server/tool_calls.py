@@ -27,7 +27,7 @@ from server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
-from server.structured_outputs import at_most_one_constraint
+from server.structured_outputs import at_most_one_constraint, request_constraint
 from server.tool_parsers import (
     CallArrayStream,
     HermesStream,
@@ -57,7 +57,7 @@ def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str]
 def output_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
     """The chat request's one output constraint: its structured-output fields' or its
     tools'; 400 when both give one."""
-    found = [c for c in (req.structured_output(), tool_constraint(req)) if c is not None]
+    found = [c for c in (request_constraint(req), tool_constraint(req)) if c is not None]
     return at_most_one_constraint(found)
 
 

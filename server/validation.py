@@ -6,8 +6,8 @@ Three kinds, each a 400 in the OpenAI shape naming the field:
   (token budgets, prompt plus budget);
 * rules between fields that pydantic does not check (`stream_options` needs `stream`,
   `best_of` equals n, a named `tool_choice` names one of `tools`...);
-* fields this server knows but cannot honour (`UNSUPPORTED_*`): a request that sets one
-  to anything but an empty value is refused, never silently ignored.
+* fields this server knows but cannot honour (protocol.py's `UNSUPPORTED_*`): a request
+  that sets one to anything but an empty value is refused, never silently ignored.
 
 The engine (its `_check_prompt`) owns the vocabulary range and context length of
 the token prompts it is given. The server checks a prompt against those limits once,
@@ -20,51 +20,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine import fits_context
 from server.errors import bad_request
-
-if TYPE_CHECKING:  # types only: protocol.py imports this module
-    from server.protocol import (
-        ChatCompletionRequest,
-        CompletionRequest,
-        OpenAIBaseModel,
-        SamplingFields,
-        TokenizeRequest,
-    )
-
-# vLLM-style extras and OpenAI fields this server cannot honour.
-_UNSUPPORTED_COMMON = (
-    "prompt_logprobs",
-    "guided_decoding_backend",  # there is one backend, xgrammar
-    "guided_whitespace_pattern",
-    "structural_tag",
-    "allowed_token_ids",
-    "bad_words",
-    "use_beam_search",
-    "length_penalty",
-    "truncate_prompt_tokens",
-    "prompt_embeds",
-    "return_tokens_as_token_ids",
-    "logits_processors",
+from server.protocol import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    UNSUPPORTED_MESSAGE_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIBaseModel,
+    SamplingFields,
+    TokenizeRequest,
 )
-UNSUPPORTED_COMPLETION = ("suffix", *_UNSUPPORTED_COMMON)
-UNSUPPORTED_CHAT = (
-    "functions",
-    "function_call",
-    "audio",
-    "prediction",
-    "web_search_options",
-    "reasoning_effort",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-    "continue_final_message",
-    "echo",
-    *_UNSUPPORTED_COMMON,
-)
-UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 
 # A token id as a JSON object key (logit_bias): plain decimal digits, optionally signed.
 TOKEN_ID_KEY = re.compile(r"-?[0-9]+")

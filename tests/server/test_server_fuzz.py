@@ -33,6 +33,7 @@ from schemathesis.core import NOT_SET
 from schemathesis.engine import Status, events
 
 from engine.structured_output.grammar_cache import GrammarCache
+from server.chat_rendering import conversation
 from server.errors import OpenAIError, speaks_anthropic
 from server.messages import CountTokensRequest, MessagesRequest, chat_request
 from server.protocol import (
@@ -47,8 +48,10 @@ from server.protocol import (
 )
 from server.responses import ResponsesRequest, conversation_of
 from server.responses import chat_request as responses_chat_request
+from server.structured_outputs import request_constraint
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
 from server.tool_calls import output_constraint, template_tools
+from server.validation import check_tools
 from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
 from tests.server.conftest import (
     MODEL_NAME,
@@ -189,7 +192,7 @@ def _messages_break_an_unstated_rule(path: str, body: dict[str, Any], tokenizer:
     if path == "/v1/messages":
         return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
     try:  # count_tokens renders the prompt only
-        chat.check_tools()
+        check_tools(chat)
         template_tools(chat, tokenizer.chat_template)
     except OpenAIError:
         return True
@@ -215,11 +218,11 @@ def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
     (if any) can be used with this template: the rules JSON Schema cannot state for them."""
     try:
         if isinstance(req, ChatCompletionRequest):
-            req.check_tools()
+            check_tools(req)
             constraint = output_constraint(req)
             template_tools(req, tokenizer.chat_template)
         else:
-            constraint = req.structured_output()
+            constraint = request_constraint(req)
         if constraint is not None:
             _grammars(tokenizer).compile(constraint[0])
     except (OpenAIError, ValueError):
@@ -241,7 +244,7 @@ def _prompt_lengths(req: Any, tokenizer: Any) -> tuple[list[int], int | None]:
         return lengths, req.max_tokens
     tools = template_tools(req, tokenizer.chat_template)
     text = apply_chat_template(
-        tokenizer, req.conversation(), req.add_generation_prompt is not False, tools
+        tokenizer, conversation(req.messages), req.add_generation_prompt is not False, tools
     )
     return [len(encode_chat(tokenizer, text))], req.requested_max_tokens()
 

@@ -8,13 +8,20 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from server.chat_rendering import conversation
 from server.cli import build_parser, engine_config_from_args, parse_size
 from server.errors import OpenAIError, from_value_error, validation_error
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from server.validation import check_context_length
+from server.sampling_params import to_sampling_params
+from server.validation import (
+    check_chat_supported,
+    check_common,
+    check_completion_supported,
+    check_context_length,
+)
 
 VOCAB = 1000
 MAX_MODEL_LEN = 512
@@ -64,7 +71,7 @@ def test_mixed_prompt_list_is_a_validation_error():
 
 def test_defaults_follow_openai():
     req = completion()
-    params = req.to_sampling_params(req.max_tokens, None, 0, VOCAB)
+    params = to_sampling_params(req, req.max_tokens, None, 0, VOCAB)
     assert (params.max_tokens, params.temperature, params.top_p) == (16, 1.0, 1.0)
     assert params.logprobs is None and params.seed is None and params.stop == []
 
@@ -76,7 +83,7 @@ def test_all_fields_reach_sampling_params():
         min_tokens=2, ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True,
         skip_special_tokens=False,
     )  # fmt: skip
-    p = req.to_sampling_params(20, 3, 0, VOCAB)
+    p = to_sampling_params(req, 20, 3, 0, VOCAB)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.5, 0.9, 7, 0.1, 11)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
     assert p.logit_bias == {5: 3.0} and p.stop == ["END"] and p.stop_token_ids == [9]
@@ -86,13 +93,13 @@ def test_all_fields_reach_sampling_params():
 
 def test_n_choices_get_distinct_seeds():
     req = completion(n=3, seed=100)
-    seeds = [req.to_sampling_params(4, None, i, VOCAB).seed for i in range(3)]
+    seeds = [to_sampling_params(req, 4, None, i, VOCAB).seed for i in range(3)]
     assert seeds == [100, 101, 102]
 
 
 def test_temperature_zero_is_greedy_and_tiny_temperature_too():
-    assert completion(temperature=0).to_sampling_params(4, None, 0, VOCAB).greedy
-    assert completion(temperature=1e-9).to_sampling_params(4, None, 0, VOCAB).greedy
+    assert to_sampling_params(completion(temperature=0), 4, None, 0, VOCAB).greedy
+    assert to_sampling_params(completion(temperature=1e-9), 4, None, 0, VOCAB).greedy
 
 
 @pytest.mark.parametrize(
@@ -129,7 +136,7 @@ def test_out_of_range_sampling_values_fail_validation_naming_their_field(fields,
      {"repetition_penalty": 100}, {"presence_penalty": -2}, {"top_k": -1}],
 )  # fmt: skip
 def test_sampling_values_at_their_bounds_pass(fields):
-    completion(**fields).to_sampling_params(4, None, 0, VOCAB)
+    to_sampling_params(completion(**fields), 4, None, 0, VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +172,7 @@ def test_integral_json_numbers_are_integers_but_strings_are_not():
 
 def test_max_tokens_below_one_names_max_tokens():
     with pytest.raises(ValueError) as info:
-        completion().to_sampling_params(0, None, 0, VOCAB)
+        to_sampling_params(completion(), 0, None, 0, VOCAB)
     assert from_value_error(info.value).param == "max_tokens"
 
 
@@ -186,13 +193,13 @@ def test_max_tokens_below_one_names_max_tokens():
     ],
 )
 def test_common_checks(fields, param):
-    raises_400(lambda: completion(**fields).check_common(VOCAB, MAX_MODEL_LEN), param)
+    raises_400(lambda: check_common(completion(**fields), VOCAB, MAX_MODEL_LEN), param)
 
 
 def test_logit_bias_keys_are_plain_decimal_token_ids():
     req = completion(logit_bias={"10": 1.0, "007": -1.0, "0": 2.0})
-    req.check_common(VOCAB, MAX_MODEL_LEN)
-    assert req.to_sampling_params(4, None, 0, VOCAB).logit_bias == {10: 1.0, 7: -1.0, 0: 2.0}
+    check_common(req, VOCAB, MAX_MODEL_LEN)
+    assert to_sampling_params(req, 4, None, 0, VOCAB).logit_bias == {10: 1.0, 7: -1.0, 0: 2.0}
 
 
 def test_chat_max_completion_tokens_is_named_in_its_errors():
@@ -200,7 +207,7 @@ def test_chat_max_completion_tokens_is_named_in_its_errors():
         chat(max_completion_tokens=-5)
     assert info.value.errors()[0]["loc"] == ("max_completion_tokens",)
     too_long = chat(max_completion_tokens=MAX_MODEL_LEN)
-    raises_400(lambda: too_long.check_common(VOCAB, MAX_MODEL_LEN), "max_completion_tokens")
+    raises_400(lambda: check_common(too_long, VOCAB, MAX_MODEL_LEN), "max_completion_tokens")
 
 
 @pytest.mark.parametrize(
@@ -214,16 +221,16 @@ def test_chat_max_completion_tokens_is_named_in_its_errors():
     ],
 )
 def test_unsupported_completion_fields_are_400(fields, param):
-    raises_400(lambda: completion(**fields).check_supported(), param)
+    raises_400(lambda: check_completion_supported(completion(**fields)), param)
 
 
 def test_harmless_values_of_unsupported_fields_pass():
-    completion(suffix=None, best_of=2, n=2, prompt_logprobs=None).check_supported()
+    check_completion_supported(completion(suffix=None, best_of=2, n=2, prompt_logprobs=None))
 
 
 def test_unknown_fields_are_reported_not_rejected():
     req = completion(some_future_field=1, another=True)
-    req.check_supported()
+    check_completion_supported(req)
     assert req.unknown_fields() == ["another", "some_future_field"]
 
 
@@ -244,7 +251,7 @@ def test_unknown_fields_are_reported_not_rejected():
     ],
 )
 def test_unsupported_chat_fields_are_400(fields, param):
-    raises_400(lambda: chat(**fields).check_supported(), param)
+    raises_400(lambda: check_chat_supported(chat(**fields)), param)
 
 
 @pytest.mark.parametrize(
@@ -266,7 +273,7 @@ def test_chat_values_this_server_cannot_honour_fail_validation(fields, loc):
 
 
 def test_chat_text_response_format_and_tool_choice_none_pass():
-    chat(response_format={"type": "text"}, tool_choice="none", tools=[]).check_supported()
+    check_chat_supported(chat(response_format={"type": "text"}, tool_choice="none", tools=[]))
 
 
 def test_chat_conversation_normalises_roles_and_parts():
@@ -280,7 +287,7 @@ def test_chat_conversation_normalises_roles_and_parts():
             {"role": "assistant", "content": None},
         ]
     )
-    assert req.conversation() == [
+    assert conversation(req.messages) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
         {"role": "assistant", "content": ""},
@@ -298,7 +305,7 @@ def test_chat_conversation_normalises_roles_and_parts():
     ],
 )  # fmt: skip
 def test_bad_messages_are_400(message, param):
-    raises_400(lambda: chat(messages=[message]).conversation(), param)
+    raises_400(lambda: conversation(chat(messages=[message]).messages), param)
 
 
 def test_chat_max_completion_tokens_wins_and_logprobs_count():
