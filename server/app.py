@@ -43,20 +43,22 @@ from server.middleware import (
     BodySizeLimitMiddleware,
 )
 from server.openapi import ANTHROPIC_SSE, RESPONSES_SSE, SSE, install_openapi, responses
-from server.protocol import (
-    LIMIT_KEY,
-    ChatCompletionRequest,
+from server.output_schemas import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     ResetPrefixCacheResponse,
-    TokenizeRequest,
     TokenizeResponse,
 )
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.request_base import server_limit
 from server.responses import (
     DeletedResponse,
     ResponseObject,
@@ -243,7 +245,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     # `:path`: a served name may hold a slash ("org/model"), as Hugging Face ids do.
     @app.get("/v1/models/{model:path}", responses=responses(ModelCard, 401, 404))
     async def model(
-        model: Annotated[str, PathParam(json_schema_extra={LIMIT_KEY: "model_id"})],
+        model: Annotated[str, PathParam(json_schema_extra=server_limit("model_id"))],
     ) -> Response:
         ctx.check_model(model)
         return JSONResponse(model_card().model_dump())

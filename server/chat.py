@@ -19,11 +19,10 @@ from fastapi.responses import Response
 from engine import RequestOutput, TokenLogprob
 from server.chat_rendering import conversation
 from server.engine_client import EngineStream
-from server.protocol import (
+from server.output_schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatTokenLogprob,
@@ -31,6 +30,7 @@ from server.protocol import (
     UsageInfo,
     make_usage,
 )
+from server.protocol import ChatCompletionRequest
 from server.serving import (
     OPENAI_STREAM,
     ResponseView,

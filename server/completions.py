@@ -17,13 +17,13 @@ from fastapi.responses import Response
 
 from engine import RequestOutput, TokenLogprob
 from server.engine_client import EngineStream
-from server.protocol import (
+from server.output_schemas import (
     CompletionChoice,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     make_usage,
 )
+from server.protocol import CompletionRequest
 from server.serving import (
     ServingContext,
     check_request,

@@ -31,14 +31,13 @@ from engine import RequestOutput
 from server.chat import chat_prompt_ids, serve_chat
 from server.engine_client import EngineStream
 from server.errors import bad_request
-from server.protocol import (
-    MAX_TOP_K,
-    ChatCompletionRequest,
+from server.protocol import MAX_TOP_K, ChatCompletionRequest
+from server.request_base import (
     FunctionName,
     MaxTokens,
     NonEmptyStr,
     OpenAIBaseModel,
-    _limit,
+    server_limit,
 )
 from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
@@ -147,7 +146,7 @@ class CountTokensRequest(OpenAIBaseModel):
 
     model_config = ConfigDict(json_schema_extra={"allOf": list(_TOOL_CHOICE_RULES)})
 
-    model: str = Field(json_schema_extra=_limit("model_id"))
+    model: str = Field(json_schema_extra=server_limit("model_id"))
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[ToolParam] | None = None

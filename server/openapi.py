@@ -16,7 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from server.errors import ErrorResponse
-from server.protocol import LIMIT_KEY, MAX_N
+from server.protocol import MAX_N
+from server.request_base import LIMIT_KEY
 from server.serving import ServingContext
 
 _ERROR_DESCRIPTIONS = {

@@ -1,4 +1,5 @@
-"""The OpenAI wire format: request and response schemas as pydantic models.
+"""The OpenAI wire format's requests as pydantic models (their answers are in
+server/output_schemas.py; what every request schema is built on, in server/request_base.py).
 
 Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups:
 
@@ -9,8 +10,8 @@ Requests accept what the OpenAI API and vLLM accept. Fields fall in three groups
 * anything else: kept by `extra="allow"`, ignored, and named in a logged warning
   (`unknown_fields()`), as vLLM does, so a newer SDK field does not break clients.
 
-This module holds the schemas only, and imports none of the modules that work out what a
-request means, which take its models as they are: server/validation.py (checks the
+This module holds the request schemas only, and imports none of the modules that work out
+what a request means, which take its models as they are: server/validation.py (checks the
 schemas cannot express: the model's vocabulary and context, rules between fields),
 server/structured_outputs.py (response_format, structured_outputs, guided_* to the
 engine's `StructuredOutputs`), server/chat_rendering.py (messages as the chat template's
@@ -19,12 +20,20 @@ input) and server/sampling_params.py (the sampling fields as `SamplingParams`).
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from engine import SamplingParams
+from server.request_base import (
+    FunctionName,
+    MaxTokens,
+    NonEmptyStr,
+    OpenAIBaseModel,
+    only_with,
+    schema_extra,
+    server_limit,
+)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -67,97 +76,16 @@ UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
 
 
 # ------------------------------------------------------------------- request schemas
-#
-# The request models are the request schemas of /openapi.json, so every rule that can be
-# said in JSON Schema is said here: single-field bounds as pydantic constraints, rules
-# between fields as `json_schema_extra`. Limits only the running server knows (vocabulary,
-# context, served model name) are marked with LIMIT_KEY and filled in by server/openapi.py.
+# Written as every request schema is (server/request_base.py): a rule JSON Schema can say
+# is said in the schema; a limit only the running server knows is marked for /openapi.json.
 
-LIMIT_KEY = "x-pagedserve-limit"
-
-
-def _limit(name: str) -> dict[str, Any]:
-    return {LIMIT_KEY: name}
-
-
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, json_schema_extra=_limit("token_id"))]
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=server_limit("token_id"))]
 # A token id as a JSON object key (logit_bias): validation.TOKEN_ID_KEY says which keys.
-TokenIdKey = Annotated[str, Field(json_schema_extra=_limit("token_id_key"))]
+TokenIdKey = Annotated[str, Field(json_schema_extra=server_limit("token_id_key"))]
 LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]]
-TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=_limit("prompt_tokens"))]
-
-# What `validation.reject_unsupported` lets through: the empty values.
-_UNSET_SCHEMA: dict[str, Any] = {
-    "description": "Not supported by this server: only an empty value is accepted.",
-    "anyOf": [
-        {"type": "null"},
-        {"const": False},
-        {"const": ""},
-        {"type": "array", "maxItems": 0},
-        {"type": "object", "maxProperties": 0},
-    ],
-}
-
-
-def _only_with(field: str, schema: dict[str, Any], needs: str, value: Any) -> dict[str, Any]:
-    """JSON Schema for "`field`, when it matches `schema`, needs `needs` == `value`"."""
-    return {
-        "if": {"required": [field], "properties": {field: schema}},
-        "then": {"required": [needs], "properties": {needs: {"const": value}}},
-    }
-
-
-def _request_schema(
-    unsupported: tuple[str, ...] = (), rules: tuple[dict[str, Any], ...] = ()
-) -> Any:
-    """A model's json_schema_extra: its unsupported fields and its rules between fields."""
-
-    def extra(schema: dict[str, Any]) -> None:
-        schema.setdefault("properties", {}).update(dict.fromkeys(unsupported, _UNSET_SCHEMA))
-        if rules:
-            schema["allOf"] = list(rules)
-
-    return extra
-
-
-class OpenAIBaseModel(BaseModel):
-    # Unknown fields are kept (and reported by unknown_fields), not rejected. NaN and
-    # infinity (Python's json parses them) are refused: no sampling option means them.
-    # Strict: JSON types only, as OpenAI does; "yes" is not true and "5" is not 5.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
-
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_numbers_are_integers(cls, data: Any) -> Any:
-        # JSON has one number type, and JSON Schema counts 5.0 as an integer; Python's json
-        # reads it as a float, which strict validation would refuse for an integer field.
-        return _integral_floats_as_ints(data)
-
-
-def _integral_floats_as_ints(value: Any) -> Any:
-    """A copy of a parsed JSON value with every integral float an int. Iterative: the body
-    reader bounds the nesting, but pydantic also validates plain Python values."""
-    if not isinstance(value, dict | list):
-        return _integral(value)
-    root: Any = {} if isinstance(value, dict) else [None] * len(value)
-    stack = [(value, root)]
-    while stack:
-        source, copy = stack.pop()
-        for key, item in source.items() if isinstance(source, dict) else enumerate(source):
-            if isinstance(item, dict | list):
-                copy[key] = {} if isinstance(item, dict) else [None] * len(item)
-                stack.append((item, copy[key]))
-            else:
-                copy[key] = _integral(item)
-    return root
-
-
-def _integral(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+TokenIds = Annotated[
+    list[TokenId], Field(min_length=1, json_schema_extra=server_limit("prompt_tokens"))
+]
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -192,14 +120,14 @@ class StructuredOutputsParam(OpenAIBaseModel):
 
 
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = SamplingParams.REPETITION_PENALTY_RANGE
-_STREAM_OPTIONS_NEED_STREAM = _only_with("stream_options", {"type": "object"}, "stream", True)
+_STREAM_OPTIONS_NEED_STREAM = only_with("stream_options", {"type": "object"}, "stream", True)
 
 
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
-    n: int | None = Field(default=1, ge=1, le=MAX_N, json_schema_extra=_limit("n"))
+    model: str | None = Field(default=None, json_schema_extra=server_limit("model"))
+    n: int | None = Field(default=1, ge=1, le=MAX_N, json_schema_extra=server_limit("n"))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0)
@@ -250,11 +178,10 @@ class SamplingFields(OpenAIBaseModel):
 # sequence a request may ask for.
 PromptInput = (
     NonEmptyStr
-    | Annotated[list[NonEmptyStr], Field(min_length=1, json_schema_extra=_limit("prompts"))]
+    | Annotated[list[NonEmptyStr], Field(min_length=1, json_schema_extra=server_limit("prompts"))]
     | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=_limit("prompts"))]
+    | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=server_limit("prompts"))]
 )
-MaxTokens = Annotated[int, Field(ge=1, json_schema_extra=_limit("max_tokens"))]
 
 
 class CompletionRequest(SamplingFields):
@@ -264,7 +191,7 @@ class CompletionRequest(SamplingFields):
     output constraint (response_format, structured_outputs, guided_*), which must compile."""
 
     model_config = ConfigDict(
-        json_schema_extra=_request_schema(UNSUPPORTED_COMPLETION, (_STREAM_OPTIONS_NEED_STREAM,))
+        json_schema_extra=schema_extra(UNSUPPORTED_COMPLETION, (_STREAM_OPTIONS_NEED_STREAM,))
     )
 
     prompt: PromptInput
@@ -281,49 +208,6 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(t, int) for t in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
-
-
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-    )
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 # -------------------------------------------------------------------------------- chat
@@ -361,7 +245,7 @@ class ToolCallParam(OpenAIBaseModel):
 
 class ChatMessageParam(OpenAIBaseModel):
     model_config = ConfigDict(
-        json_schema_extra=_request_schema(
+        json_schema_extra=schema_extra(
             UNSUPPORTED_MESSAGE_FIELDS, (_CONTENT_NULL_ONLY_FOR_ASSISTANT,)
         )
     )
@@ -371,10 +255,6 @@ class ChatMessageParam(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
-
-
-# OpenAI's rule for function names.
-FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -418,11 +298,11 @@ class ChatCompletionRequest(SamplingFields):
     tools) needs a chat template that declares tool support."""
 
     model_config = ConfigDict(
-        json_schema_extra=_request_schema(
+        json_schema_extra=schema_extra(
             UNSUPPORTED_CHAT,
             (
                 _STREAM_OPTIONS_NEED_STREAM,
-                _only_with("top_logprobs", {"type": "integer"}, "logprobs", True),
+                only_with("top_logprobs", {"type": "integer"}, "logprobs", True),
                 _TOOL_CHOICE_NEEDS_TOOLS,
             ),
         )
@@ -458,92 +338,14 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}
-    delta: dict[str, Any]
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
 # ------------------------------------------------------------------------ models, tokens
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class TokenizeRequest(OpenAIBaseModel):
     """vLLM's /tokenize: either `prompt` (completions) or `messages` (chat)."""
 
     model_config = ConfigDict(
-        json_schema_extra=_request_schema(rules=({
+        json_schema_extra=schema_extra(rules=({
             "oneOf": [
                 {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
@@ -551,7 +353,7 @@ class TokenizeRequest(OpenAIBaseModel):
         },))
     )  # fmt: skip
 
-    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    model: str | None = Field(default=None, json_schema_extra=server_limit("model"))
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
@@ -559,21 +361,6 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    model: str | None = Field(default=None, json_schema_extra=server_limit("model"))
     tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class ResetPrefixCacheResponse(BaseModel):
-    success: bool

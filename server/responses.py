@@ -33,13 +33,13 @@ from engine import RequestOutput
 from server.chat import serve_chat
 from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
-from server.protocol import (
-    ChatCompletionRequest,
+from server.protocol import ChatCompletionRequest
+from server.request_base import (
     FunctionName,
     MaxTokens,
     NonEmptyStr,
     OpenAIBaseModel,
-    _limit,
+    server_limit,
 )
 from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
@@ -141,7 +141,7 @@ class ResponsesRequest(OpenAIBaseModel):
 
     model_config = {"json_schema_extra": {"allOf": list(_RULES)}}
 
-    model: str | None = Field(default=None, json_schema_extra=_limit("model"))
+    model: str | None = Field(default=None, json_schema_extra=server_limit("model"))
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: NonEmptyStr | None = None

@@ -19,13 +19,15 @@ from typing import Any
 
 from engine import StructuredOutputs
 from server.errors import bad_request
+from server.output_schemas import (
+    ChatMessage,
+    FunctionCall,
+    ToolCall,
+)
 from server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     ChatTool,
-    FunctionCall,
     NamedToolChoice,
-    ToolCall,
 )
 from server.structured_outputs import at_most_one_constraint, request_constraint
 from server.tool_parsers import (

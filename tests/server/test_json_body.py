@@ -19,7 +19,7 @@ from server.json_body import (
     loads,
     read_json_body,
 )
-from server.protocol import _integral_floats_as_ints
+from server.request_base import integral_floats_as_ints
 
 # Strings full of what the scan must not count: brackets, quotes, backslashes.
 TRICKY_TEXT = st.text(st.sampled_from('[]{}"\\:,ab\u00e9\ud83d\ude00'), max_size=6)
@@ -121,7 +121,7 @@ def test_the_walks_after_parsing_need_no_recursion():
     floats: Any = 2.0
     for _ in range(100_000):
         floats = {"k": [floats, 2.5]}
-    converted = _integral_floats_as_ints(floats)
+    converted = integral_floats_as_ints(floats)
     for _ in range(100_000):
         assert converted["k"][1] == 2.5
         converted = converted["k"][0]

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from server.openapi import token_id_key_pattern
-from server.protocol import LIMIT_KEY
+from server.request_base import LIMIT_KEY
 from server.validation import TOKEN_ID_KEY
 from tests.engine.tiny_models import VOCAB_SIZE
 from tests.server.conftest import (
