@@ -113,7 +113,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a kernel choice, not placement: the grammar mask's AVX-512 kernel is CPU code; "
         "logits on another device take xgrammar's apply, tested equal to it"
     ),
-    ("engine/models/linear.py", "Linear.pack", 'device string "cpu"'): (
+    ("engine/quantization/dense.py", "DenseMethod.pack", 'device string "cpu"'): (
         "a layout choice, not placement: torch's CPU fp32 matmul is faster on [in, out] "
         "weights; the weight stays on its device either way"
     ),

@@ -17,6 +17,7 @@ from engine.models.linear import (
     dequantize_int8,
     kernel_for,
     project,
+    project_int8,
     quantize_int4,
     quantize_int8,
 )
@@ -147,11 +148,15 @@ class _CountingKernel:
 
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, scales=None) -> bool:
-    """Whether `project` multiplies x by weight through the kernel `kernel_for` picks."""
+    """Whether `project` (`project_int8` with scales) multiplies x by weight through the
+    kernel `kernel_for` picks."""
     if kernel_for(weight) is None:
         return False
     counting = _CountingKernel()
-    project(x, weight, scales=scales, kernel=counting)
+    if scales is None:
+        project(x, weight, kernel=counting)
+    else:
+        project_int8(x, weight, scales, None, counting)
     return counting.rows == [x.shape[0]]
 
 
@@ -208,13 +213,13 @@ def test_int8_and_int4_linears_equal_their_reference_at_every_row_count(rows):
     int8 = _loaded(128, 40, torch.bfloat16, quantization="int8")
     deq = dequantize_int8(*quantize_int8(int8.weight.detach()), torch.bfloat16)
     int8.pack()
-    assert int8.weight.dtype == torch.int8 and int8.scales is not None
+    assert int8.weight.dtype == torch.int8 and int8.method.scales is not None
     _close_to(int8(x), x.float() @ deq.float().t() + bias.float())
     int4 = _loaded(128, 40, torch.bfloat16, quantization="int4")
     assert int4.weight.dtype == torch.float32  # loaded in float32, rounded once by pack
     deq = dequantize_int4(*quantize_int4(int4.weight.detach()))
     int4.pack()
-    assert int4.weight.dtype == torch.uint8 and int4.mins is not None
+    assert int4.weight.dtype == torch.uint8 and int4.method.mins is not None
     _close_to(int4(x), x.float() @ deq.t() + bias.float())
 
 
