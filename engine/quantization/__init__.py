@@ -2,9 +2,8 @@
 
 A `engine.models.linear.Linear` of ``quantization=q`` multiplies through
 ``method_for(q)``: float weights (`dense`, q None), int8 and int4 packed from float
-weights at load (`int4`; int8's method is still in `engine/models/linear.py`), and a
-GGUF's own blocks (`gguf`). Importing this package imports every format, so the registry
-is whole before anyone reads it.
+weights at load (`int8`, `int4`), and a GGUF's own blocks (`gguf`). Importing this package
+imports every format, so the registry is whole before anyone reads it.
 """
 
 from engine.quantization.base import (
@@ -19,6 +18,7 @@ from engine.quantization.base import (
 from engine.quantization.dense import DenseMethod
 from engine.quantization.gguf import GGUF, GGUFMethod
 from engine.quantization.int4 import Int4Method
+from engine.quantization.int8 import Int8Method
 
 __all__ = [
     "GGUF",
@@ -26,6 +26,7 @@ __all__ = [
     "DenseMethod",
     "GGUFMethod",
     "Int4Method",
+    "Int8Method",
     "QuantizationMethod",
     "check_shape",
     "kernel_for",
