@@ -1,8 +1,8 @@
 """The `pagedserve` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt).
 
 Subcommands are entries of `SUBCOMMANDS`; another package adds its own (e.g. `bench`)
-with `register(Subcommand(...))` before `main()` builds the parser. Engine flags
-map one to one onto `EngineConfig` fields; a flag left out keeps that field's default.
+with `register(Subcommand(...))` before `main()` builds the parser. The engine's flags are
+server/engine_flags.py's; the value types, server/arg_types.py's.
 """
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ import argparse
 import atexit
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
+from server.arg_types import non_negative_float, parse_size, positive_float, positive_int
+from server.engine_flags import (
+    add_engine_arguments,
+    engine_config_from_args,
+    engine_fields_from_args,
+)
 from server.errors import OpenAIError
 from server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -35,9 +40,6 @@ from server.serving import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_SEQS_P
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
 
-if TYPE_CHECKING:  # engine.config imports torch: at run time only add_engine_arguments does
-    from engine.config import Flag
-
 logger = logging.getLogger("pagedserve")
 
 
@@ -54,116 +56,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 
 def register(subcommand: Subcommand) -> None:
     SUBCOMMANDS[subcommand.name] = subcommand
-
-
-# ------------------------------------------------------------------------- argument types
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5GB", "2G" (binary) or a plain number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use bytes or a unit like 512MiB, 2GiB, 1.5GB"
-        )
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
-    return size
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-# ---------------------------------------------------------------------------- engine flags
-
-# How the command line reads each kind of engine option (`Kind.parse` in engine/config.py).
-_ENGINE_PARSERS: dict[str, Callable[[str], Any]] = {
-    "int": int,
-    "float": float,
-    "positive_int": _positive_int,
-    "size": parse_size,
-    "seconds": _non_negative_float,
-}
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The "engine" group: a flag for each `EngineConfig` field, in field order, made from
-    the field's declaration. Every flag defaults to None, so a flag left out keeps the
-    field's default. Imports engine.config, and so torch: call it only for a subcommand
-    that runs the engine (`_SubcommandParser` defers it until then)."""
-    from engine.config import engine_flags
-
-    group = parser.add_argument_group("engine")
-    exclusive: dict[str, Any] = {}  # group name -> its mutually exclusive argparse group
-    for field, flag in engine_flags():
-        target = group
-        if flag.exclusive is not None:
-            if flag.exclusive not in exclusive:
-                exclusive[flag.exclusive] = group.add_mutually_exclusive_group()
-            target = exclusive[flag.exclusive]
-        name = flag.name or field.name.replace("_", "-")
-        target.add_argument(f"--{name}", dest=field.name, help=flag.help,
-                            **_value_options(flag, field.default))  # fmt: skip
-
-
-def _value_options(flag: Flag, default: Any) -> dict[str, Any]:
-    """`add_argument`'s options for how an engine flag takes its value."""
-    if flag.kind.parse == "switch":  # the flag alone sets the field to the other value
-        return {"action": "store_const", "const": not default}
-    options: dict[str, Any] = {}
-    if flag.kind.parse is not None:
-        options["type"] = _ENGINE_PARSERS[flag.kind.parse]
-    if flag.choices:
-        options["choices"] = flag.choices
-    return options
-
-
-def engine_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields the user's flags set (the others keep their defaults)."""
-    from engine.config import engine_flags
-
-    given = {field.name: getattr(args, field.name) for field, _ in engine_flags()}
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from engine import EngineConfig
-
-    return EngineConfig(**engine_fields_from_args(args))
 
 
 def _load_engine(args: argparse.Namespace, build: Callable[[Any], Any] | None = None) -> Any:
@@ -191,11 +83,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` or `x-api-key: KEY` (default "
                    "$PAGEDSERVE_API_KEY); /health and /metrics stay open")  # fmt: skip
-    g.add_argument("--max-waiting-requests", type=_positive_int,
+    g.add_argument("--max-waiting-requests", type=positive_int,
                    help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
     g.add_argument("--max-request-body-bytes", type=parse_size,
                    default=DEFAULT_MAX_REQUEST_BODY_BYTES)  # fmt: skip
-    g.add_argument("--max-seqs-per-request", type=_positive_int,
+    g.add_argument("--max-seqs-per-request", type=positive_int,
                    default=DEFAULT_MAX_SEQS_PER_REQUEST,
                    help="answer 400 to a request for more sequences (prompts x n) than this "
                    "(default %(default)s)")  # fmt: skip
@@ -205,34 +97,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    "@FILE reads it from a file; repeatable")  # fmt: skip
     g.add_argument("--pin-prefix", action="append", default=[], metavar="TEXT",
                    help="the same for a raw completions prompt prefix")  # fmt: skip
-    g.add_argument("--queue-timeout", type=_positive_float,
+    g.add_argument("--queue-timeout", type=positive_float,
                    help="seconds a request may wait before its first step; past them it is "
                    "answered 503 queue_timeout (default: no limit; a request's own "
                    "`queue_timeout` field wins)")  # fmt: skip
-    g.add_argument("--grammar-compile-timeout", type=_positive_float,
+    g.add_argument("--grammar-compile-timeout", type=positive_float,
                    default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
                    help="seconds an output constraint (JSON schema, grammar, regex, tool "
                    "calls) may take to compile, else 400 grammar_compile_timeout, and may "
                    "wait for the compile thread, else 503 + Retry-After "
                    "(default %(default)s)")  # fmt: skip
-    g.add_argument("--drain-timeout", type=_non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+    g.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
                    "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
     g = parser.add_argument_group("connections (README, Limits)")
-    g.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
+    g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open client connections; past it a new one gets a 503 and is closed "
                    "(default %(default)s, lowered to fit the open-file limit)")  # fmt: skip
-    g.add_argument("--max-concurrent-requests", type=_positive_int,
+    g.add_argument("--max-concurrent-requests", type=positive_int,
                    default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    help="HTTP requests in flight; past it a 503 + Retry-After "
                    "(default %(default)s)")  # fmt: skip
-    g.add_argument("--header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
+    g.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a connection has to send a request's headers, else it is "
                    "closed (slowloris; default %(default)s)")  # fmt: skip
-    g.add_argument("--body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+    g.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="seconds after the headers to send the whole body, else the "
                    "connection is closed (default %(default)s)")  # fmt: skip
-    g.add_argument("--keep-alive-timeout", type=_positive_float,
+    g.add_argument("--keep-alive-timeout", type=positive_float,
                    default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                    help="seconds an idle kept-alive connection stays open "
                    "(default %(default)s)")  # fmt: skip
@@ -242,7 +134,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
     g = parser.add_argument_group("replicas (Ray Serve)")
-    g.add_argument("--data-parallel-size", type=_positive_int, default=1,
+    g.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="engine replicas behind one ingress on a local Ray instance "
                    "(default 1: no Ray); see server/replicas")  # fmt: skip
     g.add_argument("--router", choices=["prefix", "default"], default="prefix",
@@ -400,7 +292,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the chat template")  # fmt: skip
-    parser.add_argument("--max-tokens", type=_positive_int, default=128)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (the default here) is greedy")  # fmt: skip
     parser.add_argument("--top-p", type=float, default=1.0)
