@@ -17,6 +17,7 @@ from torch import nn
 from engine.gguf_weights import GGUFTensor
 from engine.quantization import (
     GGUF,
+    QUANTIZATIONS,
     check_shape,
     kernel_for,
     method_for,
@@ -59,9 +60,6 @@ __all__ = [
     "quantize_int8",
     "weight_rows",
 ]
-
-
-QUANTIZATIONS = ("int8", "int4")  # the weight formats `Linear` packs from float weights
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

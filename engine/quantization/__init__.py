@@ -15,14 +15,24 @@ from engine.quantization.base import (
     register,
     weight_rows,
 )
+
+# The registry keeps the order these run in, which `QUANTIZATIONS` (--quantization's
+# choices) shows: int8 before int4.
+# isort: off
 from engine.quantization.dense import DenseMethod
-from engine.quantization.gguf import GGUF, GGUFMethod
-from engine.quantization.int4 import Int4Method
 from engine.quantization.int8 import Int8Method
+from engine.quantization.int4 import Int4Method
+from engine.quantization.gguf import GGUF, GGUFMethod
+
+# isort: on
+
+# the weight formats `Linear` packs from float weights (what --quantization may ask for)
+QUANTIZATIONS = tuple(name for name, method in METHODS.items() if method.from_float)
 
 __all__ = [
     "GGUF",
     "METHODS",
+    "QUANTIZATIONS",
     "DenseMethod",
     "GGUFMethod",
     "Int4Method",
