@@ -232,6 +232,8 @@ def bench_model(args) -> None:
     """
     from transformers import LlamaConfig
 
+    from engine.config import EngineConfig
+    from engine.execution_plan import ModelShape, manual_plan, resolve_attention
     from engine.models.llama import LlamaForCausalLM
 
     config = LlamaConfig(**SMOLLM2)
@@ -241,7 +243,7 @@ def bench_model(args) -> None:
     models = {}
     for name in ("fp32", "bf16"):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config, dtype=DTYPES[name])
+        model = LlamaForCausalLM(config, manual_plan(DTYPES[name], "cpu"))
         for p in model.parameters():
             p.normal_(0, 0.02)
         models[name] = model
@@ -260,12 +262,16 @@ def bench_model(args) -> None:
             for suffix, backend_name in backends.items():
                 if suffix and not any(g is not None for g in share):
                     continue  # no shared prefix: the same path as the default
+                if backend_name == "auto":  # what the execution plan picks for this dtype
+                    shape = ModelShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, silu=True)
+                    cpu = torch.device("cpu")
+                    backend_name = resolve_attention(EngineConfig(), cpu, model.dtype, None, shape)
                 backend = get_attention_backend(backend_name, NUM_HEADS, NUM_KV_HEADS)
 
                 def step(model=model, meta=meta, kv=kv, ids=ids, last=last, backend=backend):
-                    model.attn_backend = backend
+                    model.attn_backend = model.ops.attn = backend  # torch's ops write the KV
                     for layer in model.layers:  # the backend each layer calls
-                        layer.attn = backend
+                        layer.self_attn.backend = backend
                     backend.prepare(meta)  # per-step work included, as in serving
                     hidden = model(ids, meta.positions, kv, meta)
                     return model.compute_logits(hidden[last])

@@ -74,7 +74,8 @@ def cascade_explicit_merge():
     def suffix(q, k_cache, v_cache, group, scale, prefix_out, prefix_lse):
         size, num_heads, head_dim = q.shape
         per_kv = num_heads // NUM_KV_HEADS
-        keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, size)
+        keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, size,
+                                           q.dtype)  # fmt: skip
         keys, values = sdpa._as_float32(keys, values)
         own = slice(0, group.padded_len)
         qg = q.reshape(size, NUM_KV_HEADS, per_kv, head_dim).float() * scale
@@ -128,7 +129,7 @@ def decode_matmul(q, k_cache, v_cache, group, scale):
 def decode_matmul_reused(q, k_cache, v_cache, group, scale):
     """Explicit matmul / float32 softmax over K/V gathered into the reused workspace."""
     n = q.shape[0]
-    keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, n)
+    keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, n, q.dtype)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [G, kvh, S, d], strided
     qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale

@@ -84,13 +84,18 @@ def finish_prefills(engine, rng: random.Random, vocab: int, skip: bool) -> None:
 def use_torch_ops(engine) -> None:
     """Run this engine's matmuls and small layer ops through torch, not the CPU kernels
     (its attention backend stays as chosen)."""
+    import torch.nn.functional as F
+
+    from engine.models.layer_ops import TorchOps
     from engine.models.linear import Linear
 
     model = engine.core.model
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.kernel = None
-    model.head_kernel = model.fused_ops = None
+    model.head_kernel = None
+    model.ops = TorchOps(model.attn_backend, F.silu)  # torch's layer ops
+    engine.core.runner.decode_stack = None  # which would run the kernels' layers
 
 
 def step_medians_ms(

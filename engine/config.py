@@ -3,16 +3,16 @@
 Every CLI flag maps onto one `EngineConfig` field, and `LLM(**fields)` takes the same names:
 a field's `flag()` declares its flag's help, kind and choices (server/cli.py builds the flags
 from them) and the check that its kind implies.
-A bad value fails here, at start-up, with a ValueError naming the option. This is also the
-one place in engine code that names device strings: everything else receives a
-`torch.device` from `resolve_device()`.
+A bad value fails here, at start-up, with a ValueError naming the option. What the options
+resolve to on this machine (dtype, quantization, attention backend, kernels) is the
+`ExecutionPlan`'s business (engine/execution_plan.py); device helpers live in
+engine/device.py.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -22,15 +22,23 @@ import torch
 
 from engine.attention import ATTENTION_BACKENDS
 from engine.attention.kv_cache import KV_CACHE_DTYPES, SCALE_BYTES
-from engine.kernels import cpu_flags, cpu_kernels, ggml_kernels
+from engine.device import (
+    CPU_DEFAULT_KV_BYTES,
+    GiB,
+    GpuMemory,
+    available_ram,
+    gpu_kv_cache_budget,
+    is_cuda,
+    measure_gpu_memory,
+    resolve_device,
+    valid_device_name,
+)
 from engine.loader import DEFAULT_MODEL_NAME
 from engine.models.linear import QUANTIZATIONS
 from scheduler.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-GiB = 1 << 30
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,29 +48,9 @@ DTYPES: dict[str, torch.dtype] = {
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
 
 
-class Quantization(NamedTuple):
-    """What the engine quantizes: the decoder layers' projections and the LM head."""
-
-    layers: str | None = None  # "int8", "int4"; "gguf": a GGUF's own blocks
-    head: str | None = None  # "gguf": the GGUF's head (and embedding) blocks as well
-
-
 # Without an explicit budget the CPU KV cache gets 2 GiB, but never more than this share of
 # the RAM that is available at start-up (the weights and activations need the rest).
-CPU_DEFAULT_KV_BYTES = 2 * GiB
 CPU_KV_MAX_FRACTION = 0.4
-
-# CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
-# tiles); without them torch emulates bf16 and float32 is faster. With them bf16 halves
-# the weight bytes a decode step reads. Measured on an AVX512-BF16 AMD EPYC (Zen 5, no
-# AMX; torch 2.13), engines stepping in turns (`python -m bench.dtype_step`): the default
-# model's decode step is 1.07-1.19x faster in bf16 at batch 1 and 1.73-1.84x at batch 32,
-# and perplexity on tests/data/quality_text.txt moves by +0.05% (`python -m
-# bench.quality`). An earlier AVX512-BF16 Xeon measurement found bf16 no faster, before
-# projection weights were stored [in, out]; `--dtype float32` keeps the token-exact
-# reference everywhere.
-FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
 
 # -- the options' declarations: each field's flag and kind ---------------------------------
 
@@ -245,73 +233,7 @@ class EngineConfig:
     # -- resolution ---------------------------------------------------------------------
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for but CUDA is not available")
-        return device
-
-    def resolve_dtype(self, device: torch.device, gguf: bool = False) -> torch.dtype:
-        """The model's dtype. For "auto": bf16 where the hardware multiplies it fast. For
-        a GGUF served from its own blocks (``gguf``: the model is one) the blocks hold the
-        weights, so the dtype is only the activations': bf16 where the AVX-512 kernels run
-        a decode step natively (a batch-1 step 1.9x faster than float32's Python loop at
-        135M, 1.3x at 1B), float32 on other CPUs. Decode-sized multiplies quantize the
-        activations to int8, as llama.cpp does: perplexity through the decode path +1.2%
-        (bf16) or +0.9-1.0% (float32) against the same weights in bf16
-        (tests/engine/test_quality_gate.py)."""
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if device.type == "cuda":
-            # Pre-Ampere GPUs have no bf16 units; half precision is their fast path.
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if self._serves_gguf_blocks(device, gguf):
-            return torch.bfloat16 if cpu_kernels() is not None else torch.float32
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-    def resolve_quantization(
-        self, device: torch.device, dtype: torch.dtype, gguf: bool
-    ) -> Quantization:
-        """The weights to quantize: as asked (checked), or for "auto" a GGUF's own blocks
-        where the GGUF kernels serve them (`_serves_gguf_blocks`). A Hugging Face
-        checkpoint stays as it is."""
-        if self.quantization == "auto":
-            native = self._serves_gguf_blocks(device, gguf)
-            return Quantization("gguf", "gguf") if native else Quantization()
-        if self.quantization in (None, "none"):
-            return Quantization()
-        self.check_quantization(device, dtype)
-        return Quantization(layers=self.quantization)
-
-    def _serves_gguf_blocks(self, device: torch.device, gguf: bool) -> bool:
-        """Whether "auto" serves a GGUF (``gguf``) from its own blocks: on a CPU with the
-        GGUF kernels (AVX2), in one process, unless dtype float32 was asked for (the
-        token-exact reference, which dequantizes every weight exactly)."""
-        return (
-            gguf
-            and self.quantization == "auto"
-            and device.type == "cpu"
-            and self.dtype != "float32"
-            and self.tensor_parallel_size == 1
-            and ggml_kernels() is not None
-        )
-
-    def check_quantization(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Quantized weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
-        bf16 activations: refuse the combinations it cannot serve fast."""
-        if self.quantization not in QUANTIZATIONS:  # none, or auto (which checks itself)
-            return
-        if device.type != "cpu" or dtype != torch.bfloat16:
-            raise ValueError(
-                f"quantization {self.quantization!r} needs device cpu and dtype bfloat16, "
-                f"got {device} and {str(dtype).removeprefix('torch.')}"
-            )
-        if cpu_kernels() is None:
-            raise ValueError(
-                f"quantization {self.quantization!r} needs a CPU with AVX512-BF16 and a C++ "
-                "compiler for its kernel (see the log)"
-            )
+        return resolve_device(self.device)
 
     def resolve_max_model_len(self, model: PretrainedConfig | int) -> int:
         """The model's context length (its config's max_position_embeddings, or that number)
@@ -370,10 +292,10 @@ class EngineConfig:
         device = device if device is not None else self.resolve_device()
         if gpu_memory is not None:
             return self._gpu_num_blocks(per_block, gpu_memory)
-        if device.type == "cuda":
+        if is_cuda(device):
             return self._gpu_num_blocks(per_block, measure_gpu_memory(device))
         if free_memory is None:
-            free_memory = _available_ram()
+            free_memory = available_ram()
         budget = min(CPU_DEFAULT_KV_BYTES, int(free_memory * CPU_KV_MAX_FRACTION))
         return _whole_blocks(budget, per_block)
 
@@ -384,7 +306,7 @@ class EngineConfig:
         `gpu_kv_cache_budget`), and only when neither `num_blocks` nor `kv_cache_memory`
         fixes the size. CPU sizing reads available RAM and needs no pass.
         """
-        return device.type == "cuda" and self.num_blocks is None and self.kv_cache_memory is None
+        return is_cuda(device) and self.num_blocks is None and self.kv_cache_memory is None
 
     def _gpu_num_blocks(self, per_block: int, memory: GpuMemory) -> int:
         budget = gpu_kv_cache_budget(memory.total, memory.peak_used, self.gpu_memory_utilization)
@@ -454,22 +376,13 @@ def _declared_problems(c: EngineConfig) -> list[tuple[str, str]]:
     return [(name, message) for name, message in found if message is not None]
 
 
-def _valid_device(device: object) -> bool:
-    if not isinstance(device, str):
-        return False
-    if device in ("auto", "cpu", "cuda"):
-        return True
-    prefix, _, index = device.partition(":")
-    return prefix == "cuda" and index.isdigit()
-
-
 def _problems(c: EngineConfig) -> list[tuple[str, str]]:
     """(option, message) for every bad value: each field's own in field order (its declared
     kind's, or one of the checks below), then the checks across fields."""
     checks: list[tuple[bool, str, str]] = [
         (c.model is None or (isinstance(c.model, str) and c.model != ""), "model",
          f"must be a model directory, a .gguf file or None (the default model), got {c.model!r}"),
-        (_valid_device(c.device), "device",
+        (valid_device_name(c.device), "device",
          f"must be one of auto, cpu, cuda, cuda:N, got {c.device!r}"),
         (_positive_int(c.block_size) and c.block_size & (c.block_size - 1) == 0, "block_size",
          f"must be a positive power of two (e.g. 16), got {c.block_size!r}"),
@@ -491,10 +404,6 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
     return sorted(found, key=lambda problem: order.get(problem[0], len(order)))
 
 
-def cpu_has_fast_bf16() -> bool:
-    return not FAST_BF16_CPU_FLAGS.isdisjoint(cpu_flags())
-
-
 def _whole_blocks(budget: int, per_block: int) -> int:
     num_blocks = budget // per_block
     if num_blocks < 1:
@@ -503,86 +412,3 @@ def _whole_blocks(budget: int, per_block: int) -> int:
             f"{per_block} bytes; give more memory or set num_blocks"
         )
     return num_blocks
-
-
-# -- GPU memory: the KV cache's share, measured around a profiling forward pass ----------------
-
-
-class GpuMemory(NamedTuple):
-    """One CUDA device's memory as the KV cache sizing sees it, in bytes."""
-
-    total: int
-    # In use at the peak of the profiling forward pass (weights + the largest step's
-    # activations + the CUDA context + other processes on the device).
-    peak_used: int
-
-
-def gpu_kv_cache_budget(total: int, peak_used: int, gpu_memory_utilization: float) -> int:
-    """The KV cache's bytes on a GPU, as vLLM sizes it.
-
-    The engine may fill `gpu_memory_utilization` of the device's `total` memory; the KV cache
-    gets what is left of that share after everything in use at the profiling peak. Negative
-    when the share is already exceeded (the caller reports it).
-    """
-    return int(total * gpu_memory_utilization) - peak_used
-
-
-def measure_gpu_memory(device: torch.device) -> GpuMemory:
-    """The device's total memory and its use at the peak since `reset_peak_memory_stats`.
-
-    Memory in use now is total minus free, as the driver reports it (this process's
-    allocations and cache, its CUDA context, other processes). If the caching allocator has
-    since given memory back (an `empty_cache` after the profiling pass), the difference
-    between its peak and current reservation is added back: the next step of that size will
-    need it again.
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    released = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
-    return GpuMemory(total=total, peak_used=total - free + max(released, 0))
-
-
-# -- device-specific calls the rest of the engine makes through here ---------------------------
-# Engine code names no device: these helpers hide the CPU/CUDA difference, so the same code
-# path runs on both (tests/test_device_agnostic.py enforces it).
-
-
-def is_cuda(device: torch.device) -> bool:
-    """Whether the device is a CUDA GPU (where decode steps may replay CUDA graphs)."""
-    return device.type == "cuda"
-
-
-def reset_peak_memory_stats(device: torch.device) -> None:
-    """Start a new peak measurement (before the profiling pass); nothing to do on CPU."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (before reading memory figures or timings)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def uses_pinned_memory(device: torch.device) -> bool:
-    """Whether host staging buffers for this device should be pinned (page-locked).
-
-    Only a copy from pinned memory to a CUDA device runs asynchronously with
-    `non_blocking=True`; on CPU pinning buys nothing (and needs a CUDA build).
-    """
-    return device.type == "cuda" and torch.cuda.is_available()
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if sys.platform != "win32" and hasattr(os, "sysconf"):
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            pass
-    return CPU_DEFAULT_KV_BYTES  # unknown: trust the default budget

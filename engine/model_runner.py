@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import uses_pinned_memory
 from engine.cuda_graphs import CudaGraphRunner
+from engine.decode_stack import DecodeStack
+from engine.device import uses_pinned_memory
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
 from engine.structured_output import StructuredOutputManager
@@ -38,8 +39,11 @@ class ModelRunner:
         max_num_batched_tokens: int,
         structured_outputs: StructuredOutputManager | None = None,
         samples: bool = True,
+        decode_stack: DecodeStack | None = None,
     ) -> None:
         self.model = model
+        # Decode-only steps of up to its rows run as one native call (the plan's choice).
+        self.decode_stack = decode_stack
         self.structured_outputs = structured_outputs  # the grammar mask of constrained rows
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -76,11 +80,14 @@ class ModelRunner:
             if len(rows) == len(out.scheduled):
                 return hidden
             return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
-        # Eager: prefills, large batches, or no graphs.
+        # Eager: prefills, large batches, or no graphs; the native stack or the model's forward.
         input_ids, meta = self._prepare_inputs(out)
         # The step's host-side attention planning, once: the layers then only run tensor work.
         self.model.attn_backend.prepare(meta)
-        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+        stack = self.decode_stack
+        hidden = stack.run(input_ids, meta.positions, self.kv_caches, meta) if stack else None
+        if hidden is None:
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         return hidden[self._sample_indices(out, meta)]
 
     def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:

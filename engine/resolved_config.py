@@ -2,8 +2,9 @@
 
 `EngineConfig` is what the user asked for ("auto" dtype, no context length...);
 `ResolvedConfig` is what the engine runs: the model's directory and transformers config,
-the device, dtype, quantization, context length and, once the model is loaded and
-measured, the number of KV blocks. It is frozen and picklable: the engine core builds
+the execution plan (device, dtype, quantization, attention backend, kernels: see
+engine/execution_plan.py), the context length and, once the model is loaded and measured,
+the number of KV blocks and the plan's facts about the packed weights. It is frozen and picklable: the engine core builds
 from it, the tensor-parallel workers receive it whole (they resolve nothing themselves),
 and the scheduler's own config is derived from it.
 """
@@ -11,16 +12,16 @@ and the scheduler's own config is derived from it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, Quantization, is_cuda
+from engine.config import EngineConfig
+from engine.execution_plan import ExecutionPlan, Quantization, resolve_plan
 from engine.loader import load_hf_config, resolve_model_dir, source_gguf
-from engine.models.llama import sliding_window
+from engine.models.registry import get_model_class
 from scheduler import SchedulerConfig
 
 
@@ -29,9 +30,7 @@ class ResolvedConfig:
     engine: EngineConfig  # as the user gave it
     model_dir: Path
     hf_config: Any  # transformers' PretrainedConfig of the model
-    device: torch.device
-    dtype: torch.dtype
-    quantization: Quantization
+    plan: ExecutionPlan
     max_model_len: int
     # 0 until the model is loaded: the budget is what is left beside it (`with_num_blocks`).
     num_blocks: int = 0
@@ -41,31 +40,32 @@ class ResolvedConfig:
         """Resolve everything that needs no loaded model; ValueError naming what is wrong."""
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         hf_config = load_hf_config(model_dir)
-        device = config.resolve_device()
         gguf = source_gguf(model_dir) is not None
-        dtype = config.resolve_dtype(device, gguf)
         return cls(
             engine=config,
             model_dir=Path(model_dir),
             hf_config=hf_config,
-            device=device,
-            dtype=dtype,
-            quantization=config.resolve_quantization(device, dtype, gguf),
+            plan=resolve_plan(config, hf_config, config.resolve_device(), gguf),
             max_model_len=config.resolve_max_model_len(context_limit(hf_config)),
         )
 
     def with_num_blocks(self, num_blocks: int) -> ResolvedConfig:
         return dataclasses.replace(self, num_blocks=num_blocks)
 
+    def with_plan(self, plan: ExecutionPlan) -> ResolvedConfig:
+        return dataclasses.replace(self, plan=plan)
+
     @property
-    def attention_backend(self) -> str:
-        """The backend the model is built with: "auto" is triton on CUDA where it applies
-        (`triton_applies`): paged attention from the block table, decode steps in CUDA
-        graphs. Any other "auto" the registry resolves per head layout (cpu-paged or sdpa)."""
-        asked = self.engine.attention_backend
-        if asked == "auto" and triton_applies(self.device, self.engine.kv_cache_quantized):
-            return "triton"
-        return asked
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.plan.dtype
+
+    @property
+    def quantization(self) -> Quantization:
+        return self.plan.quantization
 
     @property
     def num_layers(self) -> int:
@@ -92,19 +92,9 @@ class ResolvedConfig:
         )
 
 
-def triton_applies(device: torch.device, kv_cache_quantized: bool) -> bool:
-    """Whether the triton backend serves here: a CUDA device with triton installed (it comes
-    with torch's CUDA build) and a float KV cache (it reads no int8 rows)."""
-    return (
-        is_cuda(device)
-        and not kv_cache_quantized
-        and importlib.util.find_spec("triton") is not None
-    )
-
-
 def context_limit(hf_config: Any) -> int:
     """The longest context computed exactly. Sliding-window attention is not implemented,
     so a windowed model (Mistral v0.1) is capped at its window, where full attention equals it."""
     limit = int(hf_config.max_position_embeddings)
-    window = sliding_window(hf_config)
+    window = get_model_class(hf_config).sliding_window(hf_config)
     return min(limit, window) if window else limit

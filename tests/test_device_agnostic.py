@@ -1,17 +1,17 @@
 """The CUDA path is the CPU path: engine code never names a device.
 
-Every tensor is created on the configured device, which `EngineConfig.resolve_device()`
-(engine/config.py, the one place that names devices) hands out. This test scans the AST of
+Every tensor is created on the configured device, which `resolve_device()`
+(engine/device.py, the one place that names devices) hands out. This test scans the AST of
 every module under engine/ for what would make one device's run break on the other:
 
 - a device named literally: the strings "cpu", "cuda", "cuda:N" (e.g. a `device="cpu"`
-  default), anywhere but engine/config.py;
+  default), anywhere but engine/device.py;
 - `.cpu()` / `.cuda()`: moving a tensor to a named device (bring a small result to the host
   with `.tolist()` / `.item()` instead, which work on either);
 - `.numpy()`: fails on a CUDA tensor (use `.tolist()`, or `.cpu()` via an allow-listed spot);
-- `torch.cuda.*` outside engine/config.py: fails on a CPU-only build or machine (config.py
+- `torch.cuda.*` outside engine/device.py: fails on a CPU-only build or machine (device.py
   has device-agnostic helpers: `synchronize`, `reset_peak_memory_stats`,
-  `measure_gpu_memory`, `uses_pinned_memory`);
+  `measure_gpu_memory`, `uses_pinned_memory`, `is_cpu`, `gpu_has_bf16`);
 - a tensor factory (`torch.tensor`, `torch.zeros`, `torch.arange`, `torch.Generator`, ...)
   without `device=`: it lands on the host. Allowed when the result is moved at once
   (`torch.tensor(x).to(device)`) or is an explicit pinned staging buffer (`pin_memory=`).
@@ -32,7 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "engine"
 # Resolves the configured device: the only module allowed to name one.
-DEVICE_RESOLVER = "engine/config.py"
+DEVICE_RESOLVER = "engine/device.py"
 
 DEVICE_STRING = re.compile(r"(cpu|cuda)(:\d+)?")
 MOVE_METHODS = frozenset({"cpu", "cuda"})
@@ -75,7 +75,7 @@ _TIER_HOST = (
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/cuda_graphs.py", "CudaGraphCapture.__call__", "torch.cuda"): (
         "the one CUDA seam of the graph runner (capture and synchronize): built only where "
-        "graphs_off_reason says the device is CUDA; the tests replace it on CPU"
+        "the execution plan says the device is CUDA; the tests replace it on CPU"
     ),
     ("engine/kv_tier.py", "read_blocks", ".cpu()"): _TIER_HOST,
     ("engine/kv_tier.py", "read_blocks", ".numpy()"): _TIER_HOST,
@@ -128,7 +128,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/attention/kv_cache.py", "_zeroed", "torch.zeros without device="): (
         "the empty (zero-element) cache on the CPU branch, where the device is the host"
     ),
-    ("engine/models/llama.py", "rope_inv_freq", "torch.arange without device="): (
+    ("engine/models/rotary.py", "rope_inv_freq", "torch.arange without device="): (
         "inverse RoPE frequencies are computed on the host, as transformers does, so they are "
         "bit-identical to it; RotaryEmbedding moves them to the configured device once"
     ),
@@ -225,7 +225,7 @@ def test_engine_names_no_device_outside_config() -> None:
     violations = [f for f in found if f.key() not in ALLOWED]
     assert not violations, (
         "engine code that assumes one device (create tensors on the configured device, move "
-        "results with .tolist(), put device-specific calls in engine/config.py, or add a "
+        "results with .tolist(), put device-specific calls in engine/device.py, or add a "
         "reasoned ALLOWED entry):\n" + "\n".join(f"  {v}" for v in violations)
     )
 

@@ -41,10 +41,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        meta: AttentionMetadata,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Store the step's new K/V ``[T, kvh, d]`` at their slots (before the call)."""
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     @abstractmethod
     def __call__(

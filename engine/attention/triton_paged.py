@@ -286,10 +286,10 @@ class TritonBackend(AttentionBackend):
         self._plan = plan_step(meta, self.num_kv_heads)
         self._consts = None
 
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping: torch.Tensor) -> None:
         if is_quantized(k_cache):
             raise ValueError("the triton attention backend does not read int8 KV rows")
-        triton_write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        triton_write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def __call__(self, q, k_cache, v_cache, meta, scale):
         plan = self._plan

@@ -1,37 +1,40 @@
-"""Which of our model classes serves a transformers architecture name."""
+"""The one list of architectures the engine serves, and the class that serves each.
+
+Lazy, as vLLM's registry is: the table names modules, so the loader can check a config's
+architecture (engine/loader.py) without importing torch models; `get_model_class` imports
+the one it needs.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from torch import nn
-
-from engine.models.llama import LlamaForCausalLM
-
-# Mistral and Qwen2 are Llama with small switches (Qwen2: q/k/v bias; both: a
-# sliding window we do not apply, see engine/models/llama.py).
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+# transformers' architecture name -> (its model_type, our module); the class has the same
+# name as the architecture.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "engine.models.llama"),
+    "Qwen2ForCausalLM": ("qwen2", "engine.models.qwen2"),
+    "MistralForCausalLM": ("mistral", "engine.models.mistral"),
 }
-
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+ARCHITECTURE_BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """Our class for ``hf_config.architectures`` (or its ``model_type``); ValueError if unsupported."""
+def architectures_of(hf_config: Any) -> list[str]:
+    """The config's architecture names, or the one its model_type implies."""
     names = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
-    if not names and model_type in _MODEL_TYPES:
-        names = [_MODEL_TYPES[model_type]]
+    if not names and model_type in ARCHITECTURE_BY_MODEL_TYPE:
+        names = [ARCHITECTURE_BY_MODEL_TYPE[model_type]]
+    return names
+
+
+def get_model_class(hf_config: Any) -> type:
+    """Our class for ``hf_config.architectures`` (or its ``model_type``); ValueError if unsupported."""
+    names = architectures_of(hf_config)
     for name in names:
-        if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
-    supported = ", ".join(sorted(MODEL_REGISTRY))
-    shown = ", ".join(names) or f"model_type={model_type!r}"
+        if name in ARCHITECTURES:
+            return getattr(importlib.import_module(ARCHITECTURES[name][1]), name)
+    supported = ", ".join(sorted(ARCHITECTURES))
+    shown = ", ".join(names) or f"model_type={getattr(hf_config, 'model_type', None)!r}"
     raise ValueError(f"unsupported model architecture {shown}; supported: {supported}")

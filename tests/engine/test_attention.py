@@ -22,6 +22,8 @@ from engine.attention import (
     write_kv,
 )
 from engine.attention.cpu_paged import CpuPagedBackend
+from engine.config import EngineConfig
+from engine.execution_plan import ModelShape, resolve_attention
 from engine.kernels import cpu_kernels, cpu_kernels_supported, ggml_kernels
 
 BLOCK_SIZE = 4
@@ -34,8 +36,13 @@ def attend(backend: AttentionBackend, q, k_cache, v_cache, meta, scale) -> torch
 
 
 def named(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> AttentionBackend:
-    """Backend ``name`` for the head layout, dtype and device of ``q`` and the cache."""
-    return get_attention_backend(name, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, q.device)
+    """Backend ``name`` for the head layout of ``q`` and the cache; "auto": what the execution
+    plan picks for q's dtype and device."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if name == "auto":
+        shape = ModelShape(num_heads, num_kv_heads, q.shape[2], silu=True)
+        name = resolve_attention(EngineConfig(), q.device, q.dtype, None, shape)
+    return get_attention_backend(name, num_heads, num_kv_heads)
 
 
 def sdpa_backend(q: torch.Tensor, k_cache: torch.Tensor, **options) -> SdpaBackend:
@@ -271,13 +278,20 @@ needs_cpu_kernels = pytest.mark.skipif(
 
 @needs_cpu_kernels
 def test_auto_is_cpu_paged_for_bf16_on_this_cpu_and_sdpa_otherwise():
-    assert isinstance(get_attention_backend("auto", 4, 2, 64, torch.bfloat16), CpuPagedBackend)
-    assert isinstance(get_attention_backend("auto", 4, 2, 64, torch.float32), SdpaBackend)
-    assert isinstance(get_attention_backend("auto", 4, 2, 8, torch.bfloat16), SdpaBackend)
+    cpu, auto, paged = (
+        torch.device("cpu"),
+        EngineConfig(),
+        EngineConfig(attention_backend="cpu-paged"),
+    )
+    wide, narrow = ModelShape(4, 2, 64, silu=True), ModelShape(4, 2, 8, silu=True)
+    assert resolve_attention(auto, cpu, torch.bfloat16, None, wide) == "cpu-paged"
+    assert resolve_attention(auto, cpu, torch.float32, None, wide) == "sdpa"
+    assert resolve_attention(auto, cpu, torch.bfloat16, None, narrow) == "sdpa"
     with pytest.raises(ValueError, match="'cpu-paged' needs device cpu, dtype bfloat16"):
-        get_attention_backend("cpu-paged", 4, 2, 64, torch.float32)
+        resolve_attention(paged, cpu, torch.float32, None, wide)
     with pytest.raises(ValueError, match="head_dim 8"):
-        get_attention_backend("cpu-paged", 4, 2, 8, torch.bfloat16)
+        resolve_attention(paged, cpu, torch.bfloat16, None, narrow)
+    assert isinstance(get_attention_backend("cpu-paged", 4, 2), CpuPagedBackend)
 
 
 @needs_cpu_kernels
@@ -356,7 +370,9 @@ def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_attention_backend("nope", 4, 2)
     assert isinstance(get_attention_backend("reference", 4, 2), ReferenceBackend)
-    assert get_attention_backend("auto", 4, 2) is not get_attention_backend("auto", 4, 2)
+    assert get_attention_backend("sdpa", 4, 2) is not get_attention_backend("sdpa", 4, 2)
+    with pytest.raises(ValueError, match="unknown attention backend 'auto'"):  # the plan's job
+        get_attention_backend("auto", 4, 2)
 
 
 def test_a_backend_called_before_prepare_says_so():

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from engine import config as config_module
-from engine.config import EngineConfig, GpuMemory, Quantization, gpu_kv_cache_budget
+from engine import device as device_module
+from engine import kernels as kernels_module
+from engine.config import EngineConfig
+from engine.device import GpuMemory, gpu_kv_cache_budget
+from engine.execution_plan import (
+    Quantization,
+    check_quantization,
+    resolve_dtype,
+    resolve_quantization,
+)
 from engine.kernels import switch, visible_flags
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; bf16 is 2 bytes.
@@ -113,8 +122,8 @@ def test_explicit_cuda_without_cuda_fails_naming_device(monkeypatch):
 )
 def test_explicit_dtype_is_used_on_any_device(name, dtype):
     config = EngineConfig(dtype=name)
-    assert config.resolve_dtype(torch.device("cpu")) == dtype
-    assert config.resolve_dtype(torch.device("cuda")) == dtype
+    assert resolve_dtype(config, torch.device("cpu")) == dtype
+    assert resolve_dtype(config, torch.device("cuda")) == dtype
 
 
 @pytest.mark.parametrize(
@@ -127,8 +136,8 @@ def test_explicit_dtype_is_used_on_any_device(name, dtype):
     ],
 )
 def test_auto_dtype_on_cpu_follows_bf16_hardware(monkeypatch, flags, expected):
-    monkeypatch.setattr(config_module, "cpu_flags", lambda: frozenset(flags))
-    assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: frozenset(flags))
+    assert resolve_dtype(EngineConfig(), torch.device("cpu")) == expected
 
 
 def _flags_from_proc_cpuinfo() -> set[str]:
@@ -140,13 +149,13 @@ def _flags_from_proc_cpuinfo() -> set[str]:
 def test_auto_dtype_on_this_cpu_reads_the_real_flags():
     flags = visible_flags(frozenset(_flags_from_proc_cpuinfo()), switch())  # as the switch says
     expected = torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
-    assert EngineConfig().resolve_dtype(torch.device("cpu")) == expected
+    assert resolve_dtype(EngineConfig(), torch.device("cpu")) == expected
 
 
 @pytest.mark.parametrize(("bf16", "expected"), [(True, torch.bfloat16), (False, torch.float16)])
 def test_auto_dtype_on_cuda(monkeypatch, bf16, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    assert EngineConfig().resolve_dtype(torch.device("cuda")) == expected
+    assert resolve_dtype(EngineConfig(), torch.device("cuda")) == expected
 
 
 # -- KV cache size --------------------------------------------------------------------------
@@ -161,49 +170,46 @@ def test_quantization_is_refused_off_its_cpu_kernel(device, dtype, quantization)
     with pytest.raises(
         ValueError, match=f"^quantization '{quantization}' needs device cpu and dtype bfloat16"
     ):
-        EngineConfig(quantization=quantization).check_quantization(torch.device(device), dtype)
+        check_quantization(quantization, torch.device(device), dtype)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantization_without_the_kernel_is_refused_naming_the_cpu(monkeypatch, quantization):
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(kernels_module, "cpu_kernels", lambda: None)
     with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16"):
-        EngineConfig(quantization=quantization).check_quantization(
-            torch.device("cpu"), torch.bfloat16
-        )
-    EngineConfig().check_quantization(torch.device("cpu"), torch.float32)  # nothing asked
+        check_quantization(quantization, torch.device("cpu"), torch.bfloat16)
 
 
 def test_auto_quantization_serves_a_gguf_in_its_own_blocks(monkeypatch):
-    monkeypatch.setattr(config_module, "ggml_kernels", lambda: object())
+    monkeypatch.setattr(kernels_module, "ggml_kernels", lambda: object())
     cpu, bf16, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
     auto = EngineConfig()
     assert auto.quantization == "auto"
     native = Quantization("gguf", "gguf")
-    assert auto.resolve_quantization(cpu, bf16, True) == native
-    assert auto.resolve_quantization(cpu, f32, True) == native  # dtype auto resolved to f32
-    assert auto.resolve_quantization(cpu, bf16, False) == Quantization()  # Hugging Face dir
+    assert resolve_quantization(auto, cpu, bf16, True) == native
+    assert resolve_quantization(auto, cpu, f32, True) == native  # dtype auto resolved to f32
+    assert resolve_quantization(auto, cpu, bf16, False) == Quantization()  # Hugging Face dir
     # Blocks hold the weights, so "auto"'s dtype is the activations': bf16 ones where the
     # AVX-512 kernels run the whole decode step natively, float32 ones elsewhere.
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: None)
-    assert auto.resolve_dtype(cpu, True) == f32
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
-    assert auto.resolve_dtype(cpu, True) == bf16
-    assert EngineConfig(dtype="bfloat16").resolve_dtype(cpu, True) == bf16
+    monkeypatch.setattr(kernels_module, "cpu_kernels", lambda: None)
+    assert resolve_dtype(auto, cpu, True) == f32
+    monkeypatch.setattr(kernels_module, "cpu_kernels", lambda: object())
+    assert resolve_dtype(auto, cpu, True) == bf16
+    assert resolve_dtype(EngineConfig(dtype="bfloat16"), cpu, True) == bf16
     reference = EngineConfig(dtype="float32")  # asked for: every weight dequantized exactly
-    assert reference.resolve_quantization(cpu, f32, True) == Quantization()
-    assert auto.resolve_quantization(torch.device("cuda"), bf16, True) == Quantization()
-    assert EngineConfig(tensor_parallel_size=2).resolve_quantization(cpu, bf16, True) == (
+    assert resolve_quantization(reference, cpu, f32, True) == Quantization()
+    assert resolve_quantization(auto, torch.device("cuda"), bf16, True) == Quantization()
+    assert resolve_quantization(EngineConfig(tensor_parallel_size=2), cpu, bf16, True) == (
         Quantization()
     )
     for off in (None, "none"):
-        assert EngineConfig(quantization=off).resolve_quantization(cpu, bf16, True) == (None, None)
-    monkeypatch.setattr(config_module, "cpu_kernels", lambda: object())
-    asked = EngineConfig(quantization="int8").resolve_quantization(cpu, bf16, True)
+        assert resolve_quantization(EngineConfig(quantization=off), cpu, bf16, True) == (None, None)
+    monkeypatch.setattr(kernels_module, "cpu_kernels", lambda: object())
+    asked = resolve_quantization(EngineConfig(quantization="int8"), cpu, bf16, True)
     assert asked == Quantization("int8", None)  # asked for: the head stays as it is
-    monkeypatch.setattr(config_module, "ggml_kernels", lambda: None)
-    assert auto.resolve_quantization(cpu, bf16, True) == Quantization()  # no AVX2 kernels
-    assert auto.resolve_dtype(cpu, True) == auto.resolve_dtype(cpu, False)
+    monkeypatch.setattr(kernels_module, "ggml_kernels", lambda: None)
+    assert resolve_quantization(auto, cpu, bf16, True) == Quantization()  # no AVX2 kernels
+    assert resolve_dtype(auto, cpu, True) == resolve_dtype(auto, cpu, False)
 
 
 def test_bytes_per_block():
@@ -343,13 +349,13 @@ def _fake_cuda_memory(monkeypatch, free, total, max_reserved, reserved):
 def test_measure_gpu_memory_is_total_minus_free(monkeypatch):
     # The allocator still holds its peak reservation: nothing to add back.
     _fake_cuda_memory(monkeypatch, free=10 * GiB, total=24 * GiB, max_reserved=GiB, reserved=GiB)
-    assert config_module.measure_gpu_memory(CUDA) == GpuMemory(24 * GiB, 14 * GiB)
+    assert device_module.measure_gpu_memory(CUDA) == GpuMemory(24 * GiB, 14 * GiB)
 
 
 def test_measure_gpu_memory_adds_back_what_the_allocator_released_since_the_peak(monkeypatch):
     # empty_cache() after the profiling pass handed 3 GiB of activations back to the driver.
     _fake_cuda_memory(monkeypatch, 13 * GiB, 24 * GiB, max_reserved=5 * GiB, reserved=2 * GiB)
-    assert config_module.measure_gpu_memory(CUDA) == GpuMemory(24 * GiB, 14 * GiB)
+    assert device_module.measure_gpu_memory(CUDA) == GpuMemory(24 * GiB, 14 * GiB)
 
 
 def test_cuda_blocks_are_measured_when_no_figures_are_given(monkeypatch):
@@ -402,9 +408,9 @@ def test_device_helpers_do_nothing_on_cpu(monkeypatch):
     for name in ("reset_peak_memory_stats", "synchronize", "is_available"):
         monkeypatch.setattr(torch.cuda, name, boom)
     cpu = torch.device("cpu")
-    config_module.reset_peak_memory_stats(cpu)
-    config_module.synchronize(cpu)
-    assert config_module.uses_pinned_memory(cpu) is False
+    device_module.reset_peak_memory_stats(cpu)
+    device_module.synchronize(cpu)
+    assert device_module.uses_pinned_memory(cpu) is False
 
 
 def test_device_helpers_call_cuda_on_cuda(monkeypatch):
@@ -412,7 +418,7 @@ def test_device_helpers_call_cuda_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d: calls.append(("sync", d)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    config_module.reset_peak_memory_stats(CUDA)
-    config_module.synchronize(CUDA)
+    device_module.reset_peak_memory_stats(CUDA)
+    device_module.synchronize(CUDA)
     assert calls == [("reset", CUDA), ("sync", CUDA)]
-    assert config_module.uses_pinned_memory(CUDA) is True
+    assert device_module.uses_pinned_memory(CUDA) is True

@@ -10,8 +10,6 @@ the previous step's slots) gives other tokens. On `--device cuda` the real
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,9 +24,8 @@ from engine.cuda_graphs import (  # noqa: E402
     CudaGraphRunner,
     DecodeBuffers,
     capture_sizes,
-    graphs_off_reason,
 )
-from engine.resolved_config import ResolvedConfig  # noqa: E402
+from engine.execution_plan import ModelShape, graphs_off_reason, resolve_attention  # noqa: E402
 from scheduler import ScheduledRequest  # noqa: E402
 from tests.engine.tiny_models import make_tiny_model_dir  # noqa: E402
 
@@ -65,24 +62,21 @@ def test_capture_sizes():
 
 def test_graphs_off_reason():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert graphs_off_reason(cuda, False, True, False) is None
-    assert graphs_off_reason(cpu, False, True, False) == "not on CUDA"
-    assert graphs_off_reason(cuda, True, True, False) == "--enforce-eager"
-    assert "attention backend" in graphs_off_reason(cuda, False, False, False)
-    assert graphs_off_reason(cuda, False, True, True) == "tensor parallelism"
+    assert graphs_off_reason(cuda, False, "triton", 1) is None
+    assert graphs_off_reason(cpu, False, "triton", 1) == "not on CUDA"
+    assert graphs_off_reason(cuda, True, "triton", 1) == "--enforce-eager"
+    assert "attention backend" in graphs_off_reason(cuda, False, "sdpa", 1)
+    assert graphs_off_reason(cuda, False, "triton", 2) == "tensor parallelism"
 
 
-def test_auto_is_triton_on_cuda_where_it_applies(model_dir):
+def test_auto_is_triton_on_cuda_where_it_applies():
     def on_cuda(**fields) -> str:
-        resolved = ResolvedConfig.resolve(
-            EngineConfig(model=str(model_dir), device="cpu", **fields)
-        )
-        assert resolved.attention_backend == fields.get("attention_backend", "auto")  # CPU
-        return dataclasses.replace(resolved, device=torch.device("cuda")).attention_backend
+        config, shape = EngineConfig(**fields), ModelShape(4, 2, 16, silu=True)
+        return resolve_attention(config, torch.device("cuda"), torch.float32, None, shape)
 
     assert on_cuda() == "triton"
     assert on_cuda(block_size=8) == "triton"  # its key tiles span several small blocks
-    assert on_cuda(kv_cache_dtype="int8") == "auto"  # triton reads no int8 rows
+    assert on_cuda(kv_cache_dtype="int8") == "sdpa"  # triton reads no int8 rows
     assert on_cuda(attention_backend="sdpa") == "sdpa"  # asked for
 
 

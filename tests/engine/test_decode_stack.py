@@ -51,32 +51,33 @@ def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, 
     # through the skinny GEMM) among them: `auto` takes bf16 activations and the stack.
     llm = LLM(model=str(write_mixed_gguf(tmp_path / "mixed.gguf")), cache_dir=str(tmp_path),
               num_blocks=32)  # fmt: skip
-    assert llm.engine.model.dtype == torch.bfloat16
-    assert "decode stack" in llm.engine.compute_summary and "Q4_K x" in llm.engine.compute_summary
+    assert llm.engine.core.model.dtype == torch.bfloat16
+    summary = llm.engine.core.compute_summary
+    assert "decode stack" in summary and "Q4_K x" in summary
     _assert_stack_equals_python_layers(llm, batch)
 
 
 def _assert_stack_equals_python_layers(llm: LLM, batch: int) -> None:
-    model = llm.engine.model
-    assert model.decode_stack is not None
-    kv = llm.engine.runner.kv_caches
+    """The runner's decode stack against the model's one Python forward, on the same step."""
+    core = llm.engine.core
+    model, stack = core.model, core.runner.decode_stack
+    assert stack is not None
+    kv = core.runner.kv_caches
     g = torch.Generator().manual_seed(3)
     for k, v in kv:  # a context to attend to
         k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
         v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
     ids, meta = _decode_step(prompt_len=40, batch=batch)
-    stack, max_rows = model.decode_stack
-    counted = _Counted(stack)
+    counted = _Counted(stack.native)
     with torch.inference_mode():
         model.attn_backend.prepare(meta)
         kv_stack = [(k.clone(), v.clone()) for k, v in kv]
-        model.decode_stack = (counted, max_rows)
-        stacked = model(ids, meta.positions, kv_stack, meta)
-        model.decode_stack = None
+        stack.native = counted
+        stacked = stack.run(ids, meta.positions, kv_stack, meta)
+        stack.native = counted.stack
         kv_python = [(k.clone(), v.clone()) for k, v in kv]
         python = model(ids, meta.positions, kv_python, meta)
-        model.decode_stack = (stack, max_rows)
-    assert counted.calls == 1
+    assert counted.calls == 1 and stacked is not None
     assert torch.equal(stacked, python)
     for (ks, vs), (kp, vp) in zip(kv_stack, kv_python, strict=True):
         assert torch.equal(ks, kp) and torch.equal(vs, vp)  # the new token's K/V written alike
@@ -88,10 +89,9 @@ def test_generation_through_the_stack_equals_generation_without_it(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with_stack = LLM(model=str(path), dtype="bfloat16", quantization="int4", num_blocks=32)
     without = LLM(model=str(path), dtype="bfloat16", quantization="int4", num_blocks=32)
-    without.engine.model.decode_stack = None
-    stack, max_rows = with_stack.engine.model.decode_stack
-    counted = _Counted(stack)
-    with_stack.engine.model.decode_stack = (counted, max_rows)
+    without.engine.core.runner.decode_stack = None
+    stack = with_stack.engine.core.runner.decode_stack
+    stack.native = counted = _Counted(stack.native)
     a = [o.token_ids for o in with_stack.generate(prompts, params)]
     b = [o.token_ids for o in without.generate(prompts, params)]
     assert a == b and all(len(t) == 24 for t in a)
@@ -100,10 +100,19 @@ def test_generation_through_the_stack_equals_generation_without_it(tmp_path):
 
 def test_no_stack_where_its_kernels_do_not_serve(tmp_path):
     path = make_tiny_model_dir(tmp_path)
-    assert LLM(model=str(path), dtype="float32", num_blocks=16).engine.model.decode_stack is None
-    sdpa = LLM(model=str(path), dtype="bfloat16", attention_backend="sdpa", num_blocks=16)
-    assert sdpa.engine.model.decode_stack is None
+
+    def stack(**options):
+        core = LLM(model=str(path), num_blocks=16, **options).engine.core
+        assert core.plan.decode_stack_rows == (core.runner.decode_stack or _NoStack).max_rows
+        return core.runner.decode_stack
+
+    assert stack(dtype="float32") is None
+    assert stack(dtype="bfloat16", attention_backend="sdpa") is None
+    assert stack(dtype="bfloat16", kv_cache_dtype="int8") is None  # torch's ops write int8 rows
     # bf16 weights go through the kernel up to 8 rows, int4 up to 64: the stack takes no more.
-    assert LLM(model=str(path), dtype="bfloat16", num_blocks=16).engine.model.decode_stack[1] == 8
-    int4 = LLM(model=str(path), dtype="bfloat16", quantization="int4", num_blocks=16)
-    assert int4.engine.model.decode_stack[1] == 64
+    assert stack(dtype="bfloat16").max_rows == 8
+    assert stack(dtype="bfloat16", quantization="int4").max_rows == 64
+
+
+class _NoStack:
+    max_rows = 0

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.attention import get_attention_backend, write_kv
-from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import reference_paged_attention
-from engine.attention.sdpa import SdpaBackend
-from engine.kernels import build_name, ggml_kernels, layer_kernels
-from engine.models.llama import apply_rotary, rms_norm
+from engine.config import EngineConfig
+from engine.execution_plan import ModelShape, resolve_attention
+from engine.kernels import ggml_kernels, layer_kernels
+from engine.models.layer_ops import TorchOps, rms_norm
+from engine.models.rotary import apply_rotary
 from tests.engine.gguf_models import write_mixed_gguf
 from tests.engine.test_attention import attend, make_batch, random_shapes
 from tests.engine.test_decode_stack import _assert_stack_equals_python_layers, _Counted
@@ -76,11 +77,12 @@ def test_float32_kernels_serve_a_gguf_s_blocks_only():
     assert layer_kernels(torch.float32, "cpu", "gguf") is ggml_kernels()
     assert layer_kernels(torch.float32, "cpu", None) is None
     assert layer_kernels(torch.float32, "meta", "gguf") is None
-    paged = get_attention_backend("auto", 6, 2, 64, torch.float32, quantization="gguf")
-    assert isinstance(paged, CpuPagedBackend)
-    assert isinstance(get_attention_backend("auto", 6, 2, 64, torch.float32), SdpaBackend)
+    shape, cpu, auto = ModelShape(6, 2, 64, silu=True), torch.device("cpu"), EngineConfig()
+    assert resolve_attention(auto, cpu, torch.float32, "gguf", shape) == "cpu-paged"
+    assert resolve_attention(auto, cpu, torch.float32, None, shape) == "sdpa"
     with pytest.raises(ValueError, match="float32 on a GGUF's blocks"):
-        get_attention_backend("cpu-paged", 6, 2, 64, torch.float32)
+        resolve_attention(EngineConfig(attention_backend="cpu-paged"), cpu, torch.float32, None,
+                          shape)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -99,8 +101,7 @@ def test_cpu_paged_float32_equals_reference_over_long_and_mixed_steps(
         rng, shapes, num_heads, num_kv_heads, head_dim, torch.float32
     )
     scale = head_dim**-0.5
-    backend = get_attention_backend("cpu-paged", num_heads, num_kv_heads, head_dim,
-                                    torch.float32, quantization="gguf")  # fmt: skip
+    backend = get_attention_backend("cpu-paged", num_heads, num_kv_heads)
     out = attend(backend, q, k_cache, v_cache, meta, scale)
     ref = reference_paged_attention(q, k_cache, v_cache, meta, scale)
     assert out.dtype == torch.float32 and out.shape == q.shape
@@ -131,9 +132,9 @@ def _float32_llm(gguf: Path, **options) -> LLM:
     its blocks (forced where this CPU has AVX512-BF16, whose module carries the float32
     kernels too)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("engine.config.cpu_kernels", lambda: None)
+        patch.setattr("engine.kernels.cpu_kernels", lambda: None)
         llm = LLM(model=str(gguf), cache_dir=str(gguf.parent), num_blocks=32, **options)
-    assert llm.engine.model.dtype == torch.float32
+    assert llm.engine.core.model.dtype == torch.float32
     return llm
 
 
@@ -144,9 +145,8 @@ def float32_gguf_llm(float32_gguf) -> LLM:
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch):
-    summary = float32_gguf_llm.engine.compute_summary
-    build = build_name(float32_gguf_llm.engine.model.fused_ops)  # AVX2, or AVX-512's module
-    assert summary.startswith(f"attention cpu-paged, CPU kernels {build} (fused ops, decode stack)")
+    summary = float32_gguf_llm.engine.core.compute_summary
+    assert summary.startswith("attention cpu-paged, CPU kernels AVX2 (fused ops, decode stack)")
     assert "Q4_K x" in summary, summary
     _assert_stack_equals_python_layers(float32_gguf_llm, batch)
 
@@ -155,16 +155,16 @@ def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf, float32_ggu
     """Greedy tokens through the decode stack and fused ops equal those of torch's ops
     on the same blocks (SDPA attention, no fused ops): only summation order differs."""
     llm = float32_gguf_llm
-    stack, max_rows = llm.engine.model.decode_stack
-    counted = _Counted(stack)
-    llm.engine.model.decode_stack = (counted, max_rows)
+    stack = llm.engine.core.runner.decode_stack
+    stack.native = counted = _Counted(stack.native)
     plain = _float32_llm(float32_gguf, attention_backend="sdpa")
-    plain.engine.model.fused_ops = None
-    assert plain.engine.model.decode_stack is None
+    model = plain.engine.core.model
+    model.ops = TorchOps(model.attn_backend, F.silu)  # torch's layer ops, not the kernels'
+    assert plain.engine.core.runner.decode_stack is None
     prompts = [[5, 6, 7, 8], list(range(300, 340))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    llm.engine.model.decode_stack = (stack, max_rows)
+    stack.native = counted.stack
     assert got == want and all(len(t) == 16 for t in got)
     assert counted.calls >= 14

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from engine import LLM
 from engine.attention import AttentionMetadata, write_kv
 from engine.kernels import bf16_cpu_kernels, cpu_kernels, cpu_kernels_supported
-from engine.models.llama import apply_rotary, rms_norm
+from engine.models.layer_ops import TorchOps, rms_norm
+from engine.models.rotary import apply_rotary
 from tests.engine.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
@@ -83,17 +84,20 @@ def test_fused_ops_only_for_bf16_on_cpu():
 
 def test_a_bf16_model_step_with_fused_ops_equals_the_torch_ops(tmp_path):
     llm = LLM(model=str(make_tiny_model_dir(tmp_path)), dtype="bfloat16", num_blocks=16)
-    model = llm.engine.model
-    assert model.fused_ops is not None
-    assert LLM(model=str(tmp_path), dtype="float32", num_blocks=16).engine.model.fused_ops is None
+    core = llm.engine.core
+    model = core.model
+    assert core.plan.layer_ops == "AVX-512 BF16" and model.ops is cpu_kernels()
+    assert LLM(model=str(tmp_path), dtype="float32", num_blocks=16).engine.core.plan.layer_ops == (
+        "torch"
+    )
     ids = torch.arange(100, 130)
     meta = AttentionMetadata.build([30], [30], [[0, 1]], 16, "cpu")
-    kv = llm.engine.runner.kv_caches
+    kv = core.runner.kv_caches
     with torch.inference_mode():
         model.attn_backend.prepare(meta)
         fused = model(ids, meta.positions, kv, meta).float()
-        ops, model.fused_ops = model.fused_ops, None
+        ops, model.ops = model.ops, TorchOps(model.attn_backend, F.silu)
         plain = model(ids, meta.positions, kv, meta).float()
-        model.fused_ops = ops
+        model.ops = ops
     scale = plain.abs().max()
     torch.testing.assert_close(fused, plain, atol=float(scale) * 2e-2, rtol=2e-2)

@@ -106,10 +106,7 @@ def test_every_backend_attends_over_int8_rows_as_over_the_values_they_stand_for(
 ):
     q, int8_caches, float_caches, meta = quantized_batch(seed, num_heads, num_kv_heads, head_dim)
     scale = head_dim**-0.5
-    options = {"quantization": "gguf"} if backend == "cpu-paged" else {}
-    attention = get_attention_backend(
-        backend, num_heads, num_kv_heads, head_dim, torch.float32, **options
-    )
+    attention = get_attention_backend(backend, num_heads, num_kv_heads)
     out = attend(attention, q, *int8_caches, meta, scale)
     ref = reference_paged_attention(q, *float_caches, meta, scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.models import LlamaForCausalLM, get_model_class
+from engine.config import EngineConfig
+from engine.execution_plan import resolve_plan
+from engine.models import get_model_class
+from engine.models.llama import LlamaForCausalLM
+from engine.models.mistral import MistralForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
 
 BLOCK_SIZE = 4
 TOL = 1e-4
@@ -87,7 +92,10 @@ def models(name: str, dtype=torch.float32, backend="auto"):
         if name not in _CACHE:
             _CACHE[name] = _hf_model(_configs()[name])
         hf = _CACHE[name]
-        ours = LlamaForCausalLM(hf.config, dtype=dtype, device="cpu", attn_backend=backend)
+        # The plan the engine would make here for this dtype and backend.
+        asked = EngineConfig(dtype=str(dtype).removeprefix("torch."), attention_backend=backend)
+        plan = resolve_plan(asked, hf.config, torch.device("cpu"), gguf=False)
+        ours = get_model_class(hf.config)(hf.config, plan)
         ours.load_weights(hf.state_dict().items())
         _CACHE[key] = (hf, ours)
     return _CACHE[key]
@@ -259,7 +267,7 @@ def test_load_weights_rejects_unknown_and_missing_names():
     del weights["model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match=r"layers\.1\.qkv_proj\[k_proj\]"):
         ours.load_weights(weights.items())
-    untied = LlamaForCausalLM(_configs()["qwen2"])
+    untied = Qwen2ForCausalLM(_configs()["qwen2"])
     qwen_weights = {
         k: v for k, v in models("qwen2")[0].state_dict().items() if k != "lm_head.weight"
     }
@@ -271,14 +279,16 @@ def test_tied_head_is_the_embedding_and_qwen2_has_qkv_bias_only():
     _, tied = models("llama-tied")
     assert tied.lm_head is tied.embed_tokens
     _, qwen = models("qwen2")
-    layer = qwen.layers[0]
-    assert layer.qkv_proj.bias is not None and layer.o_proj.bias is None
-    assert layer.gate_up_proj.bias is None and layer.down_proj.bias is None
+    attn, mlp = qwen.layers[0].self_attn, qwen.layers[0].mlp
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
+    assert mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
 
 
 def test_registry_maps_architectures_and_rejects_others():
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-        assert get_model_class(LlamaConfig(architectures=[arch])) is LlamaForCausalLM
-    assert get_model_class(Qwen2Config()) is LlamaForCausalLM  # no architectures: model_type
+    classes = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
+    for cls in classes:
+        assert get_model_class(LlamaConfig(architectures=[cls.__name__])) is cls
+    assert issubclass(Qwen2ForCausalLM, LlamaForCausalLM)  # Llama with q/k/v biases
+    assert get_model_class(Qwen2Config()) is Qwen2ForCausalLM  # no architectures: model_type
     with pytest.raises(ValueError, match="unsupported model architecture GPT2LMHeadModel"):
         get_model_class(LlamaConfig(architectures=["GPT2LMHeadModel"]))

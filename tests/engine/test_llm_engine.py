@@ -217,7 +217,7 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     engine = LLM(model=str(model_dir), dtype="bfloat16", num_blocks=64).engine
     bf16 = engine.core.model
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
-    assert all(layer.attn is bf16.attn_backend for layer in bf16.layers)
+    assert all(layer.self_attn.backend is bf16.attn_backend for layer in bf16.layers)
     assert engine.core.compute_summary == (
         "attention cpu-paged, CPU kernels AVX-512 BF16 (skinny GEMM, fused ops, decode stack), "
         "weights: projections bfloat16 x8, embedding bfloat16, head bfloat16"

@@ -136,7 +136,7 @@ def test_padded_decode_rows_read_and_write_nothing(split_keys, monkeypatch, devi
     backend.prepare(padded)
     assert (backend._plan.num_splits > 1) == (split_keys == 16)
     backend.write_kv(k_cache, v_cache, torch.ones(5, 2, 16, device=device),
-                     torch.ones(5, 2, 16, device=device), padded)  # fmt: skip
+                     torch.ones(5, 2, 16, device=device), padded.slot_mapping)  # fmt: skip
     changed = (k_cache != before_k).any(-1).any(-1).flatten().nonzero().flatten().tolist()
     assert changed == padded.slot_mapping[:3].sort().values.tolist()  # the 3 real rows only
     assert torch.equal(v_cache != before_v, k_cache != before_k)

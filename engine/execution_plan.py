@@ -1,0 +1,303 @@
+"""How a step executes here, decided once: the `ExecutionPlan`.
+
+`resolve_plan` reads the user's options (`EngineConfig`), the model's config and this
+machine (device, CPU flags through `engine.kernels`, CUDA) and fixes every choice the model,
+the runner and the CUDA graphs make: dtype, weight quantization, attention backend, the
+layers' small ops (torch's or a native kernels build), whether decode steps may run as one
+native call, and whether they replay CUDA graphs. Nothing else probes the machine: the model
+is built from the plan, the runner executes it, and the start-up line, `/metrics` and the
+dashboard print it (`describe`). Environment switches are inputs, named in the plan
+(``$PAGEDSERVE_CPU_KERNELS``).
+
+Two facts are only known once the weights are packed (which formats each projection kept,
+and so how many rows the decode stack takes); `with_weights` records them, and the engine
+core keeps that final plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from engine import kernels
+from engine.attention.registry import DEFAULT_BACKEND, backend_class, cpu_paged_fits
+from engine.config import DTYPES
+from engine.device import gpu_has_bf16, is_cpu, is_cuda
+
+# CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
+# tiles); without them torch emulates bf16 and float32 is faster. With them bf16 halves
+# the weight bytes a decode step reads. Measured on an AVX512-BF16 AMD EPYC (Zen 5, no
+# AMX; torch 2.13), engines stepping in turns (`python -m bench.dtype_step`): the default
+# model's decode step is 1.07-1.19x faster in bf16 at batch 1 and 1.73-1.84x at batch 32,
+# and perplexity on tests/data/quality_text.txt moves by +0.05% (`python -m
+# bench.quality`). An earlier AVX512-BF16 Xeon measurement found bf16 no faster, before
+# projection weights were stored [in, out]; `--dtype float32` keeps the token-exact
+# reference everywhere.
+FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+# The layers' small ops (norms, rotary and the KV write, silu): torch's, or one of the two
+# native builds of `engine.kernels` (bf16 on AVX512-BF16; float32 on a GGUF's blocks).
+TORCH_OPS = "torch"
+AVX512_OPS = "AVX-512 BF16"
+AVX2_OPS = "AVX2"
+
+
+class Quantization(NamedTuple):
+    """What the engine quantizes: the decoder layers' projections and the LM head."""
+
+    layers: str | None = None  # "int8", "int4"; "gguf": a GGUF's own blocks
+    head: str | None = None  # "gguf": the GGUF's head (and embedding) blocks as well
+
+
+class ModelShape(NamedTuple):
+    """What of the model's architecture the plan depends on (this rank's share of heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    silu: bool  # the MLP's activation is silu (what the fused ops compute)
+
+    @classmethod
+    def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        silu = getattr(hf_config, "hidden_act", "silu") == "silu"
+        return cls(heads // tp_size, max(kv_heads // tp_size, 1), head_dim, silu)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    device: torch.device
+    dtype: torch.dtype  # the activations' (and unquantized weights')
+    quantization: Quantization
+    attention: str  # the attention backend's registry name, "auto" resolved
+    layer_ops: str  # TORCH_OPS, AVX512_OPS or AVX2_OPS
+    kernels_switch: str  # $PAGEDSERVE_CPU_KERNELS as read (auto, avx2, off)
+    # Whether decode-only steps may run as one native call (`engine.decode_stack`): native
+    # layer ops and the cpu-paged backend. Its row limit is known once the weights are packed.
+    decode_stack: bool
+    cuda_graphs_off: str | None  # why decode steps run eagerly; None: they replay graphs
+    tensor_parallel: int = 1
+    decode_stack_rows: int = 0  # set by `with_weights`: 0 where a projection has no kernel
+    weights: str = ""  # set by `with_weights`: each weight group's format
+
+    def layer_kernels(self) -> ModuleType | None:
+        """The native module whose layer ops serve the model, or None (torch's ops)."""
+        if self.layer_ops == TORCH_OPS:
+            return None
+        return kernels.cpu_kernels() if self.layer_ops == AVX512_OPS else kernels.ggml_kernels()
+
+    def with_weights(self, weights: str, decode_stack_rows: int) -> ExecutionPlan:
+        return dataclasses.replace(self, weights=weights, decode_stack_rows=decode_stack_rows)
+
+    def describe(self) -> str:
+        """The start-up line's account of how the model computes here."""
+        parts = [f"attention {self.attention}"]
+        if self.layer_ops != TORCH_OPS:
+            gemm = "skinny GEMM, " if self.dtype == torch.bfloat16 else ""
+            stack = ", decode stack" if self.decode_stack_rows else ""
+            switch = (
+                ""
+                if self.kernels_switch == "auto"
+                else f", ${kernels.SWITCH}={self.kernels_switch}"
+            )
+            parts.append(f"CPU kernels {self.layer_ops}{switch} ({gemm}fused ops{stack})")
+        elif self.kernels_switch in ("avx2", "off") and is_cpu(self.device):
+            parts.append(f"torch's layer ops (${kernels.SWITCH}={self.kernels_switch})")
+        if self.quantization.layers == "gguf":
+            parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
+        if self.weights:
+            parts.append(f"weights: {self.weights}")
+        if is_cuda(self.device):
+            parts.append("CUDA graphs" if self.cuda_graphs_off is None
+                         else f"CUDA graphs off ({self.cuda_graphs_off})")  # fmt: skip
+        return ", ".join(parts)
+
+    def info(self) -> dict[str, str]:
+        """The plan as labels (`/metrics`' info, the dashboard)."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization.layers or "none",
+            "attention": self.attention,
+            "layer_ops": self.layer_ops,
+            "cpu_kernels_switch": self.kernels_switch,
+            "decode_stack_rows": str(self.decode_stack_rows),
+            "cuda_graphs": "on" if self.cuda_graphs_off is None else "off",
+            "weights": self.weights,
+        }
+
+
+def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) -> ExecutionPlan:
+    """The plan for `config` (an `EngineConfig`) serving a model of `hf_config` on `device`;
+    ``gguf``: the model comes from a GGUF file. ValueError for what cannot be served."""
+    tp = config.tensor_parallel_size
+    shape = ModelShape.of(hf_config, tp)
+    dtype = resolve_dtype(config, device, gguf)
+    quantization = resolve_quantization(config, device, dtype, gguf)
+    layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp,
+                           config.kv_cache_dtype == "int8")  # fmt: skip
+    attention = resolve_attention(config, device, dtype, quantization.layers, shape)
+    graphs_off = graphs_off_reason(device, config.enforce_eager, attention, tp)
+    return ExecutionPlan(
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        attention=attention,
+        layer_ops=layer_ops,
+        kernels_switch=kernels.switch(),
+        decode_stack=layer_ops != TORCH_OPS and attention == "cpu-paged",
+        cuda_graphs_off=graphs_off,
+        tensor_parallel=tp,
+    )
+
+
+def manual_plan(
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    attention: str = DEFAULT_BACKEND, quantization: str | None = None,
+) -> ExecutionPlan:  # fmt: skip
+    """A plan given by hand (tests, benchmarks that build a model directly): these choices,
+    torch's layer ops, no decode stack, no graphs, nothing probed."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    return ExecutionPlan(device=device, dtype=dtype, quantization=Quantization(quantization),
+                         attention=attention, layer_ops=TORCH_OPS, kernels_switch="manual",
+                         decode_stack=False, cuda_graphs_off="a manual plan")  # fmt: skip
+
+
+def cpu_has_fast_bf16() -> bool:
+    return not FAST_BF16_CPU_FLAGS.isdisjoint(kernels.cpu_flags())
+
+
+def resolve_dtype(config: Any, device: torch.device, gguf: bool = False) -> torch.dtype:
+    """The model's dtype. For "auto": bf16 where the hardware multiplies it fast. For a GGUF
+    served from its own blocks (``gguf``: the model is one) the blocks hold the weights, so
+    the dtype is only the activations': bf16 where the AVX-512 kernels run a decode step
+    natively (a batch-1 step 1.9x faster than float32's Python loop at 135M, 1.3x at 1B),
+    float32 on other CPUs. Decode-sized multiplies quantize the activations to int8, as
+    llama.cpp does: perplexity through the decode path +1.2% (bf16) or +0.9-1.0% (float32)
+    against the same weights in bf16 (tests/engine/test_quality_gate.py)."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if is_cuda(device):
+        # Pre-Ampere GPUs have no bf16 units; half precision is their fast path.
+        return torch.bfloat16 if gpu_has_bf16(device) else torch.float16
+    if _serves_gguf_blocks(config, device, gguf):
+        return torch.bfloat16 if kernels.cpu_kernels() is not None else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_quantization(
+    config: Any, device: torch.device, dtype: torch.dtype, gguf: bool
+) -> Quantization:
+    """The weights to quantize: as asked (checked), or for "auto" a GGUF's own blocks where
+    the GGUF kernels serve them (`_serves_gguf_blocks`). A Hugging Face checkpoint stays as
+    it is."""
+    if config.quantization == "auto":
+        native = _serves_gguf_blocks(config, device, gguf)
+        return Quantization("gguf", "gguf") if native else Quantization()
+    if config.quantization in (None, "none"):
+        return Quantization()
+    check_quantization(config.quantization, device, dtype)
+    return Quantization(layers=config.quantization)
+
+
+def _serves_gguf_blocks(config: Any, device: torch.device, gguf: bool) -> bool:
+    """Whether "auto" serves a GGUF (``gguf``) from its own blocks: on a CPU with the GGUF
+    kernels (AVX2), in one process, unless dtype float32 was asked for (the token-exact
+    reference, which dequantizes every weight exactly)."""
+    return (
+        gguf
+        and config.quantization == "auto"
+        and is_cpu(device)
+        and config.dtype != "float32"
+        and config.tensor_parallel_size == 1
+        and kernels.ggml_kernels() is not None
+    )
+
+
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Quantized weights run through the skinny GEMM kernel, which needs AVX512-BF16 and
+    bf16 activations: refuse the combinations it cannot serve fast."""
+    if not is_cpu(device) or dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantization {quantization!r} needs device cpu and dtype bfloat16, "
+            f"got {device} and {str(dtype).removeprefix('torch.')}"
+        )
+    if kernels.cpu_kernels() is None:
+        raise ValueError(
+            f"quantization {quantization!r} needs a CPU with AVX512-BF16 and a C++ "
+            "compiler for its kernel (see the log)"
+        )
+
+
+def _layer_ops(
+    dtype: torch.dtype, device: torch.device, quantization: str | None, shape: ModelShape,
+    tp: int, kv_int8: bool,
+) -> str:  # fmt: skip
+    """Which build's fused ops serve the layers: bf16 on AVX512-BF16, float32 where a GGUF's
+    blocks serve the projections; torch's where neither applies, under tensor parallelism
+    (one process's whole layers only), for an activation other than silu, and for bf16 over
+    an int8 KV cache (the bf16 kernels write bf16 rows only; the float32 ones write int8)."""
+    if not shape.silu or shape.head_dim % 2 or tp > 1:
+        return TORCH_OPS
+    module = kernels.layer_kernels(dtype, device, quantization)
+    if module is None or (kv_int8 and dtype != torch.float32):
+        return TORCH_OPS
+    return AVX512_OPS if module is kernels.cpu_kernels() else AVX2_OPS
+
+
+def resolve_attention(
+    config: Any, device: torch.device, dtype: torch.dtype, quantization: str | None,
+    shape: ModelShape,
+) -> str:  # fmt: skip
+    """The attention backend: as asked (checked against what can run), or for "auto" triton
+    on CUDA where it applies, cpu-paged where its kernel serves this dtype and head layout
+    (4-6x SDPA's decode attention), else SDPA."""
+    kv_int8 = config.kv_cache_dtype == "int8"
+    paged = is_cpu(device) and cpu_paged_fits(*shape[:3]) and (
+        kernels.layer_kernels(dtype, device, quantization) is not None
+    )  # fmt: skip
+    asked = config.attention_backend
+    if asked == "auto":
+        if triton_applies(device, kv_int8):
+            return "triton"
+        return "cpu-paged" if paged else DEFAULT_BACKEND
+    if asked == "cpu-paged" and not paged:
+        raise ValueError(
+            "attention backend 'cpu-paged' needs device cpu, dtype bfloat16 on a CPU with "
+            "AVX512-BF16 or float32 on a GGUF's blocks (AVX2), head_dim a multiple of 16 up to "
+            f"256 and at most 16 query heads per KV head; got {device}, "
+            f"{str(dtype).removeprefix('torch.')}, head_dim {shape.head_dim}"
+        )
+    return asked
+
+
+def triton_applies(device: torch.device, kv_cache_quantized: bool) -> bool:
+    """Whether the triton backend serves here: a CUDA device with triton installed (it comes
+    with torch's CUDA build) and a float KV cache (it reads no int8 rows)."""
+    return (
+        is_cuda(device)
+        and not kv_cache_quantized
+        and importlib.util.find_spec("triton") is not None
+    )
+
+
+def graphs_off_reason(
+    device: torch.device, enforce_eager: bool, attention: str, tp: int
+) -> str | None:
+    """Why decode steps run eagerly here, or None: they are captured."""
+    if not is_cuda(device):
+        return "not on CUDA"
+    if enforce_eager:
+        return "--enforce-eager"
+    if not backend_class(attention).cuda_graphs:
+        return "the attention backend plans on the host (triton captures)"
+    if tp > 1:
+        return "tensor parallelism"
+    return None

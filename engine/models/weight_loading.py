@@ -1,0 +1,166 @@
+"""Checkpoint tensors (transformers' names) into a decoder model's fused parameters.
+
+q/k/v land in rows of one QKV projection and gate/up in rows of one gate/up projection; a
+projection's weight goes through its own loader (`Linear.load`, which keeps GGUF blocks
+where its format is served from them), anything else is copied into its parameter. Under
+tensor parallelism each rank copies its slice of every full tensor. A GGUF embedding and
+head are kept in their blocks where the plan serves them that way (quantization gguf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.gguf_weights import GGUFTensor
+from engine.models.linear import GGUF, Linear, check_shape, weight_rows
+
+# The model: an engine/models/decoder.py `DecoderForCausalLM` (not imported: it imports this).
+DecoderForCausalLM = nn.Module
+
+# transformers' (module, projection) -> (ours, which rows: "q", "k", "v", "gate", "up", or
+# None for all of it)
+_FUSED = {
+    ("self_attn", "q_proj"): ("qkv_proj", "q"),
+    ("self_attn", "k_proj"): ("qkv_proj", "k"),
+    ("self_attn", "v_proj"): ("qkv_proj", "v"),
+    ("self_attn", "o_proj"): ("o_proj", None),
+    ("mlp", "gate_proj"): ("gate_up_proj", "gate"),
+    ("mlp", "up_proj"): ("gate_up_proj", "up"),
+    ("mlp", "down_proj"): ("down_proj", None),
+}
+_TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
+        "lm_head.weight": "lm_head"}  # fmt: skip
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, Any]]) -> set[str]:
+    """Copy every tensor of a checkpoint into ``model``; ValueError on an unknown name, a
+    shape mismatch, or a parameter left unloaded. Returns the names consumed."""
+    loaded: set[str] = set()
+    filled: set[tuple[str, str]] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            continue  # tied: the embedding matrix is the head
+        target, rows, shard, linear = _route(model, name)
+        try:
+            _load_tensor(model, name, tensor, target, rows, linear)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        loaded.add(name)
+        filled.add(shard)
+    missing = sorted(f"{p}[{s}]" if s else p for p, s in _expected_shards(model) - filled)
+    if missing:
+        raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
+    return loaded
+
+
+def _load_tensor(model: DecoderForCausalLM, name: str, tensor: Any, target: torch.Tensor,
+                 rows: tuple[int, int] | None, linear: Linear | None) -> None:  # fmt: skip
+    """One tensor into its place: a projection's weight through its own loader, a GGUF
+    embedding or head kept in its blocks, anything else (this rank's part) copied."""
+    if linear is not None and model.tp is None:
+        linear.load(tensor, rows)
+        return
+    if _keep_blocks(model, target, tensor):
+        return
+    if isinstance(tensor, GGUFTensor):
+        tensor = tensor.dequantize(torch.float32)
+    dest = weight_rows(target, rows)
+    tensor = _tp_slice(model, name, tensor)
+    check_shape(tensor, dest)
+    dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+
+
+def _keep_blocks(model: DecoderForCausalLM, target: torch.Tensor, tensor: Any) -> bool:
+    """Keep a GGUF embedding's or head's blocks as they are (quantization gguf)."""
+    keep = isinstance(tensor, GGUFTensor) and model.quantization == GGUF and tensor.native
+    if keep and target is model.embed_tokens:
+        check_shape(tensor, target)
+        model.embed_blocks = tensor
+        if model.arch.tie_word_embeddings:
+            model.head_blocks = tensor
+    elif keep and target is model.lm_head:
+        check_shape(tensor, target)
+        model.head_blocks = tensor
+    return keep
+
+
+def _rows(model: DecoderForCausalLM, part: str | None) -> tuple[int, int] | None:
+    """A fused projection's part as (first row, rows), or None: the whole projection."""
+    a = model.arch
+    q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    offsets = {None: None, "q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter),
+               "up": (inter, inter)}  # fmt: skip
+    return offsets[part]
+
+
+def _route(
+    model: DecoderForCausalLM, name: str
+) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str], Linear | None]:
+    """A transformers name -> (our tensor, (row offset, rows) or None, shard key, the
+    `Linear` whose weight it is, which loads it itself, or None)."""
+    if name in _TOP:
+        return getattr(model, _TOP[name]), None, (_TOP[name], ""), None
+    parts = name.split(".")
+    unexpected = ValueError(f"unexpected weight name {name!r}")
+    if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        raise unexpected
+    index = int(parts[2])
+    if index >= model.arch.num_layers:
+        raise ValueError(f"unexpected weight name {name!r} (layer {index})")
+    layer, prefix = model.layers[index], f"layers.{index}."
+    if len(parts) == 5:  # model.layers.N.<norm>.weight
+        if parts[3] not in _NORMS or parts[4] != "weight":
+            raise unexpected
+        return getattr(layer, parts[3]), None, (prefix + parts[3], ""), None
+    module, proj, kind = parts[3:]
+    if (module, proj) not in _FUSED or kind not in ("weight", "bias"):
+        raise unexpected
+    ours, part = _FUSED[(module, proj)]
+    linear = getattr(getattr(layer, module), ours)
+    target = getattr(linear, kind)
+    if target is None:
+        raise ValueError(f"unexpected weight name {name!r} (this config has no such bias)")
+    rows = _rows(model, part)
+    key = (prefix + ours + ("" if kind == "weight" else ".bias"), proj if rows else "")
+    return target, rows, key, linear if kind == "weight" else None
+
+
+def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor: rows of the column-parallel projections
+    (q, k, v, gate, up: by heads and columns) and of the LM head, columns of the row-parallel
+    ones (o, down), whose bias only rank 0 adds (the sum is reduced)."""
+    tp = model.tp
+    if tp is None:
+        return tensor
+    column_parallel = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    if any(f".{p}." in name for p in column_parallel) or name == "lm_head.weight":
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return tensor.chunk(tp.size, dim=1)[tp.rank]
+    if name.endswith(("o_proj.bias", "down_proj.bias")) and tp.rank:
+        return torch.zeros_like(tensor)
+    return tensor
+
+
+def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
+    """Every (parameter, part) a complete checkpoint fills."""
+    shards = {("embed_tokens", ""), ("norm", "")}
+    if not model.arch.tie_word_embeddings:
+        shards.add(("lm_head", ""))
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        shards |= {(p + n, "") for n in _NORMS}
+        for (module, proj), (ours, part) in _FUSED.items():
+            linear = getattr(getattr(layer, module), ours)
+            key = proj if part else ""
+            shards.add((p + ours, key))
+            if linear.bias is not None:
+                shards.add((p + ours + ".bias", key))
+    return shards
