@@ -76,8 +76,9 @@ class RunningServer:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def all_blocks_free(self) -> bool:
-        kv = self.engine.core.kv_cache_manager
-        return not self.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
+        core = self.client.core  # `engine` may be the offline engine or the core itself
+        kv = core.kv_cache_manager
+        return not core.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
 
 
 class _UvicornThread:

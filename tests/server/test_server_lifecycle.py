@@ -367,7 +367,7 @@ def test_load_raises_what_building_the_engine_raised():
 def test_free_memory_is_released_when_the_engine_goes_idle(tiny_model_dir, monkeypatch):
     # Issue 29, item 4: without this, RSS grew ~100 MB a round of varied prompt lengths.
     calls = []
-    monkeypatch.setattr("server.async_engine.release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr("server.engine_loop.release_free_memory", lambda: calls.append(1))
     engine = make_engine(tiny_model_dir, num_blocks=128)
     with running_server(engine) as server:
         http = server.http()
