@@ -54,8 +54,8 @@ def _value_options(flag: Flag, default: Any) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if flag.kind.parse is not None:
         options["type"] = _ENGINE_PARSERS[flag.kind.parse]
-    if flag.choices:
-        options["choices"] = flag.choices
+    if choices := flag.choice_list():
+        options["choices"] = choices
     return options
 
 
