@@ -3,7 +3,8 @@
 `LLMEngine` is what `engine.LLM`, `pagedserve generate`, the benchmarks and the tests
 drive: `add_request`, then `step()` until `has_unfinished_requests()` is False, each step
 giving `RequestOutput`s with text. The server does not use it: it runs the `EngineCore`
-on its engine thread and the `OutputProcessor` on its event loop (server/async_engine.py).
+on its engine thread (server/engine_loop.py) and the `OutputProcessor` on its event loop
+(server/async_engine.py).
 Not thread-safe: one thread calls everything. The core's facts and parts (tokenizer,
 model, scheduler, stats...) are its own: `llm_engine.core.<name>`.
 """
