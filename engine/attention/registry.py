@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.attention.reference import ReferenceBackend
 from engine.attention.sdpa import SdpaBackend
+from engine.registry import ATTENTION_BACKENDS
 
 
 def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
@@ -18,20 +18,19 @@ def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
     return TritonBackend(num_heads, num_kv_heads)
 
 
-# name -> factory of (num_heads, num_kv_heads): each model gets its own backend object,
-# since a backend keeps the plan of the step it last prepared.
-ATTENTION_BACKENDS: dict[str, Callable[[int, int], AttentionBackend]] = {
-    "reference": ReferenceBackend,
-    "sdpa": SdpaBackend,
-    # Every decode over its whole context, shared prefixes or not: for A/B runs.
-    "sdpa-nocascade": partial(SdpaBackend, cascade=False),
-    # bf16 on CPUs with AVX512-BF16, float32 on a GGUF's blocks: decodes through the paged
-    # decode kernel.
-    "cpu-paged": CpuPagedBackend,
-    # Triton kernels over the block table (CUDA, where "auto" picks it; on CPU only under
-    # TRITON_INTERPRET=1, as the tests run them).
-    "triton": _triton_backend,
-}
+# name -> factory of (num_heads, num_kv_heads), in engine/registry.py's ATTENTION_BACKENDS
+# (which the config validates against): each model gets its own backend object, since a
+# backend keeps the plan of the step it last prepared.
+ATTENTION_BACKENDS.add("reference", ReferenceBackend)
+ATTENTION_BACKENDS.add("sdpa", SdpaBackend)
+# Every decode over its whole context, shared prefixes or not: for A/B runs.
+ATTENTION_BACKENDS.add("sdpa-nocascade", partial(SdpaBackend, cascade=False))
+# bf16 on CPUs with AVX512-BF16, float32 on a GGUF's blocks: decodes through the paged
+# decode kernel.
+ATTENTION_BACKENDS.add("cpu-paged", CpuPagedBackend)
+# Triton kernels over the block table (CUDA, where "auto" picks it; on CPU only under
+# TRITON_INTERPRET=1, as the tests run them).
+ATTENTION_BACKENDS.add("triton", _triton_backend)
 
 # "auto" resolves to this unless `cpu-paged` can run, or on CUDA `triton`: the execution
 # plan decides it (engine/execution_plan.py); see bench/attention.md.
@@ -58,11 +57,6 @@ def cpu_paged_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 def get_attention_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
     """A new backend ``name`` (a registered one, as the execution plan resolved it) for this
     head layout: each model gets its own, since a backend keeps the plan of its last step."""
-    try:
-        factory = ATTENTION_BACKENDS[name]
-    except KeyError:
-        choices = ", ".join(["auto", *ATTENTION_BACKENDS])
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}") from None
-    backend = factory(num_heads, num_kv_heads)
+    backend = ATTENTION_BACKENDS[name](num_heads, num_kv_heads)  # ValueError naming the choices
     backend.name = name
     return backend

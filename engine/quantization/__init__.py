@@ -27,7 +27,7 @@ from engine.quantization.gguf import GGUF, GGUFMethod
 # isort: on
 
 # the weight formats `Linear` packs from float weights (what --quantization may ask for)
-QUANTIZATIONS = tuple(name for name, method in METHODS.items() if method.from_float)
+QUANTIZATIONS = METHODS.names(lambda method: method.from_float)
 
 __all__ = [
     "GGUF",

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import bf16_cpu_kernels
+from engine.registry import QUANTIZATION_METHODS
 
 
 def weight_rows(target: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
@@ -99,7 +100,8 @@ class QuantizationMethod:
         return ops.Projection(weight, None, None, bias, [], [])
 
 
-METHODS: dict[str | None, type[QuantizationMethod]] = {}
+# engine/registry.py's, which the config reads --quantization's choices from.
+METHODS = QUANTIZATION_METHODS
 Method = TypeVar("Method", bound=type[QuantizationMethod])
 
 
@@ -108,13 +110,10 @@ def register(name: str | None) -> Callable[[Method], Method]:
 
     def add(method: Method) -> Method:
         method.name = name
-        METHODS[name] = method
-        return method
+        return METHODS.add(name, method)
 
     return add
 
 
 def method_for(quantization: str | None) -> type[QuantizationMethod]:
-    if quantization not in METHODS:
-        raise ValueError(f"unknown quantization {quantization!r}")
-    return METHODS[quantization]
+    return METHODS[quantization]  # ValueError naming the choices

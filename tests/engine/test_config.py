@@ -422,3 +422,26 @@ def test_device_helpers_call_cuda_on_cuda(monkeypatch):
     device_module.synchronize(CUDA)
     assert calls == [("reset", CUDA), ("sync", CUDA)]
     assert device_module.uses_pinned_memory(CUDA) is True
+
+
+def test_the_config_imports_no_implementation_until_a_choice_is_read():
+    """The options sit below the code they configure (engine/registry.py): importing the
+    config loads no attention backend, kernel, model, weight format or loader, and reading
+    --attention-backend's and --quantization's choices loads the registering modules."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine.config as c\n"
+        "before = sorted(m for m in sys.modules if m.startswith('engine.'))\n"
+        "flags = {f.name: flag for f, flag in c.engine_flags()}\n"
+        "print(before)\n"
+        "print(flags['attention_backend'].choice_list(), flags['quantization'].choice_list())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, choices = out.stdout.splitlines()
+    assert before == str(
+        ["engine.config", "engine.default_model", "engine.device", "engine.kv_layout",
+         "engine.registry"]
+    )  # fmt: skip
+    assert "'cpu-paged'" in choices and "'int4'" in choices and "'int8'" in choices
