@@ -120,6 +120,7 @@ class AsyncEngine:
         # /metrics reads the pool's block counts the core last published (an immutable
         # object it replaces), so they are right before the first step and after aborts.
         self.metrics.watch_kv_blocks(lambda: core.kv_blocks)
+        self.metrics.set_execution_plan(core.plan.info())
         callbacks = LoopCallbacks(self._on_outputs, self._fail_requests, self._fail_all)
         self._engine = EngineLoop(core, self.metrics, StatsLogger(log_interval_s), callbacks)
         # Event-loop state: every submitted, unfinished request's text side and client.

@@ -85,6 +85,8 @@ class DashboardState(BaseModel):
     prefix_cache: PrefixCacheModel
     requests: RequestsModel
     prefixes: list[PrefixModel] = Field(description="The prefixes holding the most blocks.")
+    plan: str = Field(description="How a step executes here: the engine's execution plan, "
+                      "as the start-up line says it.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class _Taken:
 
     snapshot: PoolSnapshot
     block_size: int
+    plan: str
     queries: int
     hits: int
     running: int
@@ -106,6 +109,7 @@ def _take(core: EngineCore) -> _Taken:
     return _Taken(
         snapshot=core.pool_snapshot(MAX_PREFIXES),
         block_size=core.block_size,
+        plan=core.compute_summary,
         queries=stats.prefix_cache_queries,
         hits=stats.prefix_cache_hits,
         running=stats.num_running,
@@ -155,6 +159,7 @@ class DashboardSnapshots:
             taken_at=taken.taken_at,
             num_blocks=snap.counts.total,
             block_size=taken.block_size,
+            plan=taken.plan,
             blocks=BlockCountsModel(
                 free=snap.counts.free, cached=snap.counts.cached, in_use=snap.counts.in_use
             ),

@@ -28,6 +28,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     disable_created_metrics,
     generate_latest,
 )
@@ -145,6 +146,12 @@ class ServerMetrics:
         self._last = EngineStats()
         self._kv_blocks_source: Callable[[], BlockCounts | None] | None = None
         r.register(_KVBlocksCollector(self.kv_blocks, lambda: self._last))
+
+    def set_execution_plan(self, plan: dict[str, str]) -> None:
+        """The engine's execution plan as one info series (`engine.execution_plan`'s
+        `info()`: device, dtype, attention backend, layer ops, weights...), set at start-up."""
+        Info(f"{PREFIX}execution_plan", "How a step executes here (the start-up line's plan).",
+             registry=self.registry).info(plan)  # fmt: skip
 
     def watch_kv_blocks(self, source: Callable[[], BlockCounts | None]) -> None:
         """Read the pool's block counts from `source` at each scrape. It must return what the

@@ -66,6 +66,12 @@ def test_a_fresh_server_shows_an_all_free_pool(tiny_model_dir):
         assert s["tier"] == "pool" and s["block_size"] == 16
         # /metrics has the pool before any step too.
         assert block_gauges(fresh) == {"free": 64, "cached": 0, "in_use": 0, "total": 64}
+        # The execution plan: the start-up line on the page, its fields in /metrics' info.
+        assert s["plan"].startswith("attention ") and "weights: projections" in s["plan"]
+        ((name, labels),) = [k for k in fresh.metrics() if k[0] == "pagedserve:execution_plan_info"]
+        plan = dict(labels)
+        assert plan["attention"] in s["plan"] and plan["weights"] in s["plan"]
+        assert plan["device"] == "cpu" and plan["dtype"] in ("float32", "bfloat16")
 
 
 def test_the_page_is_self_contained_html_and_open_without_the_key(server):

@@ -121,6 +121,7 @@ def test_the_page_draws_the_pool_the_server_reports(tiny_model_dir, chromium):
     ):
         page.navigate(f"{server.url}/dashboard#key={API_KEY}")
         fresh = page.wait_for("window.dashboardState", what="the page never drew a state")
+        assert page.evaluate("document.getElementById('plan').textContent") == fresh["plan"]
         assert page.evaluate("location.hash") == ""  # the key left the address bar
         assert_page_shows(page, server, fresh)
         assert fresh["blocks"]["free"] == NUM_BLOCKS
