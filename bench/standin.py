@@ -15,6 +15,12 @@ imports ``sentencepiece`` before it looks for the tokenizer it would read:
 minute or two on 2 cores; 8B: writes 16 GB of bf16 shards and a 16 GB bf16 GGUF first
 (``--out`` on a disk with 40 GB free).
 
+Without ``--quantize`` (no llama-quantize built) the converter writes each of ``--types``
+itself, straight from the Hugging Face directory; it knows only Q8_0, BF16, F16 and F32:
+
+    .venv/bin/python -m bench.standin 1b --out /tmp/standins \\
+        --llama-cpp /tmp/llama/llama.cpp --types Q8_0
+
 The shapes (vocabulary: the tokenizer's 49152, not the original's):
 
 * ``360m``: SmolLM2-360M's; ``1b``: TinyLlama-1.1B's; ``3b``: Llama-3.2-3B's;
@@ -99,11 +105,26 @@ def _save(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, str]:
     return dict.fromkeys(tensors, file.name)
 
 
+# The types convert_hf_to_gguf.py writes itself (its --outtype), no llama-quantize needed.
+CONVERTER_TYPES = ("Q8_0", "BF16", "F16", "F32")
+
+
 def make_ggufs(
-    size: str, out: Path, llama_cpp: Path, quantize: Path, types: list[str]
+    size: str, out: Path, llama_cpp: Path, quantize: Path | None, types: list[str]
 ) -> list[Path]:
-    """``out/<size>-standin.<TYPE>.gguf`` for each type: HF dir -> bf16 GGUF -> quantized."""
+    """``out/<size>-standin.<TYPE>.gguf`` for each type: HF dir -> bf16 GGUF -> quantized;
+    without ``quantize``, HF dir -> each type by the converter itself (CONVERTER_TYPES)."""
     hf = write_hf_dir(size, out / f"{size}-standin-hf")
+    if quantize is None:
+        files = []
+        for qtype in types:
+            target = out / f"{size}-standin.{qtype}.gguf"
+            subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
+                            "--outtype", qtype.lower(), "--outfile", str(target)],
+                           check=True)  # fmt: skip
+            files.append(target)
+        shutil.rmtree(hf)
+        return files
     bf16 = out / f"{size}-standin.BF16.gguf"
     subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outtype", "bf16", "--outfile", str(bf16)], check=True)  # fmt: skip
@@ -134,18 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--llama-cpp", type=Path, help="llama.cpp's source folder (has convert_hf_to_gguf.py)"
     )
-    parser.add_argument("--quantize", type=Path, help="the llama-quantize binary")
-    parser.add_argument("--types", default="Q4_0,Q4_K_M,Q8_0")
+    parser.add_argument(
+        "--quantize",
+        type=Path,
+        help="the llama-quantize binary (without it the converter writes --types itself: "
+        + ", ".join(CONVERTER_TYPES)
+        + " only)",
+    )
+    parser.add_argument("--types", help="default: Q4_0,Q4_K_M,Q8_0 (without --quantize: Q8_0)")
     parser.add_argument("--keep-bf16", action="store_true")
     args = parser.parse_args(argv)
     if args.hf_only:
         hf = write_hf_dir(args.size, args.out, tokenizer_dir=args.tokenizer)
         print(f"{hf}: a random-weight stand-in of the {args.size} shape (Hugging Face, bf16)")
         return 0
-    if args.llama_cpp is None or args.quantize is None:
-        parser.error("--llama-cpp and --quantize are needed for the GGUF files (or --hf-only)")
-    files = make_ggufs(args.size, args.out, args.llama_cpp, args.quantize, args.types.split(","))
-    if not args.keep_bf16:
+    if args.llama_cpp is None:
+        parser.error("--llama-cpp is needed for the GGUF files (or --hf-only)")
+    types = (args.types or ("Q4_0,Q4_K_M,Q8_0" if args.quantize else "Q8_0")).split(",")
+    if args.quantize is None and set(types) - set(CONVERTER_TYPES):
+        parser.error(f"without --quantize, --types must be among {', '.join(CONVERTER_TYPES)}")
+    files = make_ggufs(args.size, args.out, args.llama_cpp, args.quantize, types)
+    if args.quantize is not None and not args.keep_bf16:
         (args.out / f"{args.size}-standin.BF16.gguf").unlink()
     for f in files:
         print(f"{f} ({f.stat().st_size / 1e9:.2f} GB): a random-weight stand-in")
