@@ -5,12 +5,15 @@
 
 Each round runs both checkouts, alternating which goes first, with this venv:
 - the engine step: one process per checkout (its own `engine` on the path) builds the
-  offline `LLMEngine` on the default model, puts `--batch` requests over 4 shared
+  offline `LLMEngine` on the default model (or `--model`), puts `--batch` requests over 4 shared
   500-token prefixes past their prefill, and times `STEPS` decode steps (median), for
   each batch size;
 - the server: `python -m bench compare --servers pagedserve` run from each checkout's
   directory (so its `server` package serves), on the shared-prefix workload at each
   `--concurrency`, output tok/s and ITL p50.
+`--model PATH` (an HF directory or a .gguf, e.g. bench/standin.py's 1B stand-in) is what both
+checkouts load in both parts; the other checkout is only given options it knows
+(`EngineConfig(model=...)`, `bench compare --model`), which older mains have.
 Ratios are this checkout's figure over the other's, median over the rounds (a step-time
 ratio under 1 and a throughput ratio over 1 mean this checkout is faster). Refactors are
 checked with it: the engine's speed must not move.
@@ -28,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench.machine import machine_line
+from engine.default_model import DEFAULT_MODEL_NAME
 
 HERE = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -37,9 +41,11 @@ STEP_SNIPPET = r"""
 import json, random, statistics, sys, time
 from engine import EngineConfig, LLMEngine, SamplingParams
 batches = [int(b) for b in sys.argv[1].split(",")]
+model = sys.argv[2] or None
 rng = random.Random(0)
 prefixes = [[rng.randrange(100, 40000) for _ in range(500)] for _ in range(4)]
-engine = LLMEngine(EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096))
+engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=4096))
 result = {}
 for batch in batches:
     params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
@@ -60,26 +66,31 @@ print("RESULT " + json.dumps(result))
 """.replace("__STEPS__", str(STEPS))
 
 
-def engine_steps(checkout: Path, batches: str) -> dict[str, float]:
-    """Median decode-step ms per batch size, from a child running `checkout`'s engine."""
+def engine_steps(checkout: Path, batches: str, model: str | None = None) -> dict[str, float]:
+    """Median decode-step ms per batch size, from a child running `checkout`'s engine on
+    `model` (None: the default model)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run(
-        [sys.executable, "-c", STEP_SNIPPET, batches],
+        [sys.executable, "-c", STEP_SNIPPET, batches, model or ""],
         cwd=checkout, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
-def server_figures(checkout: Path, concurrency: str, num_requests: int) -> dict[str, dict]:
-    """Output tok/s and ITL p50 per concurrency, from `bench compare` run in `checkout`."""
+def server_figures(
+    checkout: Path, concurrency: str, num_requests: int, model: str | None = None
+) -> dict[str, dict]:
+    """Output tok/s and ITL p50 per concurrency, from `bench compare` run in `checkout`
+    serving `model` (None: the default model)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
+    model_args = ["--model", model] if model else []
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             [sys.executable, "-m", "bench", "compare", "--servers", "pagedserve",
              "--workload", "shared-prefix", "--concurrency", concurrency,
              "--num-requests", str(num_requests), "--no-plots", "--no-progress",
-             "--out", out],
+             "--out", out, *model_args],
             cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         records = json.loads(next(Path(out).glob("**/results.json")).read_text())
@@ -99,8 +110,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--model", metavar="PATH", help="HF model dir or .gguf both checkouts "
+                    "load, engine step and server (default: the embedded default model)")  # fmt: skip
     args = ap.parse_args()
-    print(machine_line(), flush=True)
+    # Absolute: the children run in the checkouts' directories.
+    model = str(Path(args.model).expanduser().resolve()) if args.model else None
+    print(f"{machine_line()}, model {Path(model).name if model else DEFAULT_MODEL_NAME}",
+          flush=True)  # fmt: skip
     checkouts = {"this": HERE, "other": args.other.resolve()}
     steps: dict[str, list[dict]] = {"this": [], "other": []}
     serve: dict[str, list[dict]] = {"this": [], "other": []}
@@ -108,11 +124,11 @@ def main() -> None:
         order = ["this", "other"] if round_ % 2 == 0 else ["other", "this"]
         for name in order:
             if not args.skip_step:
-                steps[name].append(engine_steps(checkouts[name], args.batch))
+                steps[name].append(engine_steps(checkouts[name], args.batch, model))
                 print(f"round {round_ + 1} {name}: step ms {steps[name][-1]}", flush=True)
             if not args.skip_server:
                 serve[name].append(
-                    server_figures(checkouts[name], args.concurrency, args.num_requests)
+                    server_figures(checkouts[name], args.concurrency, args.num_requests, model)
                 )
                 print(f"round {round_ + 1} {name}: server {serve[name][-1]}", flush=True)
     print("\n| figure | this | other | ratio (median of rounds) |\n|---|---|---|---|")
