@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import TextIteratorStreamer
 
 from engine.config import EngineConfig
+from engine.execution_plan import resolve_dtype
 from engine.loader import load_reference_model, load_tokenizer, resolve_model_dir
 
 
@@ -44,7 +45,7 @@ class Generation:
 class NaiveModel:
     def __init__(self, model: str | None, dtype: str = "auto") -> None:
         model_dir = resolve_model_dir(model)
-        self.dtype = EngineConfig(dtype=dtype).resolve_dtype(torch.device("cpu"))
+        self.dtype = resolve_dtype(EngineConfig(dtype=dtype), torch.device("cpu"))
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_reference_model(model_dir, self.dtype)
         self.model.eval()

@@ -212,8 +212,8 @@ class EngineConfig:
         "auto",
         choices=lambda: ("auto", "none", *from_float_formats()),
         help="weight-only int8, or int4 in Q4_1's blocks (CPUs with "
-        "AVX512-BF16); auto (default): what a GGUF's own Q4_1 / "
-        "Q8_0 blocks hold exactly, else none",
+        "AVX512-BF16); auto (default): a GGUF served from its own "
+        "blocks where the GGUF kernels run (AVX2), else none",
     )
     # None: $PAGEDSERVE_CACHE or ~/.cache/pagedserve
     cache_dir: str | None = flag(None, help="where converted models are kept")
@@ -330,31 +330,6 @@ class EngineConfig:
             f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
             f"({tokens} tokens max concurrently)"
         )
-
-    def describe(
-        self,
-        num_blocks: int | None = None,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        max_model_len: int | None = None,
-    ) -> str:
-        """One start-up line; pass the resolved values where they are known."""
-        parts = [
-            f"model={self.served_name()}",
-            f"device={device if device is not None else self.device}",
-            f"dtype={str(dtype).removeprefix('torch.') if dtype is not None else self.dtype}",
-            f"max_model_len={max_model_len if max_model_len is not None else self.max_model_len}",
-            f"max_num_seqs={self.max_num_seqs}",
-            f"max_num_batched_tokens={self.max_num_batched_tokens}",
-            f"prefix_caching={self.prefix_cache_hash if self.enable_prefix_caching else 'off'}",
-        ]
-        if self.kv_cache_quantized:
-            parts.append("kv_cache_dtype=int8")
-        if self.quantization not in (None, "auto", "none"):
-            parts.insert(3, f"quantization={self.quantization}")
-        if num_blocks is not None:
-            parts.append(self.describe_kv_cache(num_blocks))
-        return " ".join(parts)
 
 
 def engine_flags() -> Iterator[tuple[Field[Any], Flag]]:

@@ -1,6 +1,6 @@
 """Tensor parallelism over torch.distributed: one rank's place in the group, its collectives.
 
-Megatron-style sharding (`engine/models/llama.py`): each rank holds 1/N of the query and
+Megatron-style sharding (`engine/models/layers.py`, `decoder.py`): each rank holds 1/N of the query and
 KV heads (and their KV cache) and of the MLP's columns; the attention output and MLP
 down projections are row-parallel, so each rank's partial sum is all-reduced; the LM
 head is split by vocabulary and its logits are all-gathered. The process group is gloo

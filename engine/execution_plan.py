@@ -83,7 +83,6 @@ class ExecutionPlan:
     # layer ops and the cpu-paged backend. Its row limit is known once the weights are packed.
     decode_stack: bool
     cuda_graphs_off: str | None  # why decode steps run eagerly; None: they replay graphs
-    tensor_parallel: int = 1
     decode_stack_rows: int = 0  # set by `with_weights`: 0 where a projection has no kernel
     weights: str = ""  # set by `with_weights`: each weight group's format
 
@@ -141,6 +140,8 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
     shape = ModelShape.of(hf_config, tp)
     dtype = resolve_dtype(config, device, gguf)
     quantization = resolve_quantization(config, device, dtype, gguf)
+    if tp > 1 and quantization.layers:
+        raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
     layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp,
                            config.kv_cache_dtype == "int8")  # fmt: skip
     attention = resolve_attention(config, device, dtype, quantization.layers, shape)
@@ -154,7 +155,6 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         kernels_switch=kernels.switch(),
         decode_stack=layer_ops != TORCH_OPS and attention == "cpu-paged",
         cuda_graphs_off=graphs_off,
-        tensor_parallel=tp,
     )
 
 
@@ -165,7 +165,8 @@ def manual_plan(
     """A plan given by hand (tests, benchmarks that build a model directly): these choices,
     torch's layer ops, no decode stack, no graphs, nothing probed."""
     device = torch.device(device) if device is not None else torch.get_default_device()
-    return ExecutionPlan(device=device, dtype=dtype, quantization=Quantization(quantization),
+    head = quantization if quantization == "gguf" else None  # a GGUF's head blocks kept too
+    return ExecutionPlan(device=device, dtype=dtype, quantization=Quantization(quantization, head),
                          attention=attention, layer_ops=TORCH_OPS, kernels_switch="manual",
                          decode_stack=False, cuda_graphs_off="a manual plan")  # fmt: skip
 

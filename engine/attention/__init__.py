@@ -14,7 +14,8 @@ is simply ``L == 1``.
 * `reference.py`: ``reference``, per-request float32 attention, the tests' oracle.
 * `decode_plan.py`: how the SDPA backend groups a step's decodes, cascades over
   shared prefixes included.
-* `sdpa.py`: ``sdpa`` (the default for float32 and off CPU) and ``sdpa-nocascade``.
+* `sdpa.py`: ``sdpa`` (what "auto" picks where neither cpu-paged nor triton serves) and
+  ``sdpa-nocascade``.
 * `cpu_paged.py`: ``cpu-paged`` (the default for bf16 on CPUs with AVX512-BF16): decodes
   through the paged decode kernel in `engine/kernels`.
 * `registry.py`: the backends by name and `get_attention_backend`.

@@ -58,10 +58,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         plan = plan if plan is not None else manual_plan()
         arch = self.architecture(hf_config)
-        if tp is not None:
+        if tp is not None:  # (the plan refuses quantized weights under tensor parallelism)
             arch = _shard(arch, tp)
-            if plan.quantization.layers:
-                raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
         self.config, self.arch, self.plan, self.tp = hf_config, arch, plan, tp
         self.dtype, self.device = plan.dtype, plan.device
         self.quantization = plan.quantization.layers

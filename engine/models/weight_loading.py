@@ -79,7 +79,7 @@ def _load_tensor(model: DecoderForCausalLM, name: str, tensor: Any, target: torc
 
 def _keep_blocks(model: DecoderForCausalLM, target: torch.Tensor, tensor: Any) -> bool:
     """Keep a GGUF embedding's or head's blocks as they are (quantization gguf)."""
-    keep = isinstance(tensor, GGUFTensor) and model.quantization == GGUF and tensor.native
+    keep = isinstance(tensor, GGUFTensor) and model.plan.quantization.head == GGUF and tensor.native
     if keep and target is model.embed_tokens:
         check_shape(tensor, target)
         model.embed_blocks = tensor

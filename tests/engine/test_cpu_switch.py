@@ -60,13 +60,14 @@ def test_a_process_under_the_avx2_setting_plans_and_serves_the_avx2_path():
     probe = """
 import json, os, engine, torch
 from engine.config import EngineConfig
+from engine.execution_plan import resolve_dtype
 from engine.kernels import build_name, cpu_flags, cpu_kernels, ggml_kernels
 print(json.dumps({
     "build": None if ggml_kernels() is None else build_name(ggml_kernels()),
     "avx512_seen": any(f.startswith("avx512") for f in cpu_flags()),
     "avx512_module": cpu_kernels() is not None,
     "ggml_module": None if ggml_kernels() is None else ggml_kernels().__name__,
-    "dtype": str(EngineConfig().resolve_dtype(torch.device("cpu"))),
+    "dtype": str(resolve_dtype(EngineConfig(), torch.device("cpu"))),
     "aten": os.environ.get("ATEN_CPU_CAPABILITY"),
     "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),
 }))
