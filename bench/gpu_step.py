@@ -76,14 +76,15 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
-        heads = (model.num_heads, model.num_kv_heads, model.head_dim)
+        arch = model.arch  # this rank's share of the heads (engine/models/layers.py)
+        heads = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
         return cls(*heads, model.dtype, weight_bytes(model))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights one decode step reads: every parameter (shared ones once), but
     not an untied embedding table, of which the step reads only its tokens' rows."""
-    skip = set() if model.tie_word_embeddings else {id(model.embed_tokens)}
+    skip = set() if model.arch.tie_word_embeddings else {id(model.embed_tokens)}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 

@@ -1,8 +1,8 @@
 """The engine's start-up options, their validation, and their resolution to concrete values.
 
 Every CLI flag maps onto one `EngineConfig` field, and `LLM(**fields)` takes the same names:
-a field's `flag()` declares its flag's help, kind and choices (server/cli.py builds the flags
-from them) and the check that its kind implies.
+a field's `flag()` declares its flag's help, kind and choices (server/engine_flags.py builds
+the flags from them) and the check that its kind implies.
 A bad value fails here, at start-up, with a ValueError naming the option. What the options
 resolve to on this machine (dtype, quantization, attention backend, kernels) is the
 `ExecutionPlan`'s business (engine/execution_plan.py); device helpers live in
@@ -72,7 +72,7 @@ class Kind(NamedTuple):
     """A kind of option value: how the command line parses it, and the check `validate()`
     runs on every field of the kind."""
 
-    parse: str | None  # the key of server/cli.py's parser for it; None: the text as given
+    parse: str | None  # the key of server/engine_flags.py's parser for it; None: as given
     noun: str = ""  # a bad value "must be {noun}"
     check: Callable[[object], bool] | None = None  # None: `_problems` checks the field
 
@@ -88,8 +88,8 @@ SWITCH = Kind("switch", "True or False", lambda value: isinstance(value, bool))
 
 @dataclass(frozen=True)
 class Flag:
-    """An EngineConfig field's command-line flag (server/cli.py's `add_engine_arguments`
-    adds one per field, in field order) and the check its kind or choices imply."""
+    """An EngineConfig field's command-line flag (server/engine_flags.py adds one per field,
+    in field order) and the check its kind or choices imply."""
 
     kind: Kind = TEXT
     help: str | None = None
