@@ -1,8 +1,9 @@
 """The engine's start-up options, their validation, and their resolution to concrete values.
 
 Every CLI flag maps onto one `EngineConfig` field, and `LLM(**fields)` takes the same names:
-a field's `flag()` declares its flag's help, kind and choices (server/engine_flags.py builds
-the flags from them) and the check that its kind implies.
+a field's `flag()` declares its flag's help, kind and choices (server/config_flags.py builds
+the flags from them, and server/server_config.py's ServerConfig declares the server's the
+same way) and the check that its kind implies.
 A bad value fails here, at start-up, with a ValueError naming the option. What the options
 resolve to on this machine (dtype, quantization, attention backend, kernels) is the
 `ExecutionPlan`'s business (engine/execution_plan.py); device helpers live in
@@ -72,7 +73,7 @@ class Kind(NamedTuple):
     """A kind of option value: how the command line parses it, and the check `validate()`
     runs on every field of the kind."""
 
-    parse: str | None  # the key of server/engine_flags.py's parser for it; None: as given
+    parse: str | None  # the key of server/config_flags.py's parser for it; None: as given
     noun: str = ""  # a bad value "must be {noun}"
     check: Callable[[object], bool] | None = None  # None: `_problems` checks the field
 
@@ -88,8 +89,8 @@ SWITCH = Kind("switch", "True or False", lambda value: isinstance(value, bool))
 
 @dataclass(frozen=True)
 class Flag:
-    """An EngineConfig field's command-line flag (server/engine_flags.py adds one per field,
-    in field order) and the check its kind or choices imply."""
+    """A config field's command-line flag (server/config_flags.py adds one per field, in
+    field order) and the check its kind or choices imply."""
 
     kind: Kind = TEXT
     help: str | None = None
@@ -98,6 +99,9 @@ class Flag:
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()
     name: str | None = None  # the flag without "--", where it is not the field's name
     exclusive: str | None = None  # flags that name the same group cannot be given together
+    group: str | None = None  # its --help section; None: the one the caller names
+    metavar: str | None = None  # the value's name in --help, where not the flag's
+    env: str | None = None  # the environment variable whose value is the flag's default
 
     def problem(self, value: object, nullable: bool) -> str | None:
         """Why `value` is bad for the field (None may be allowed), or None: fine, or left
@@ -124,9 +128,13 @@ def flag(
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
     name: str | None = None,
     exclusive: str | None = None,
+    group: str | None = None,
+    metavar: str | None = None,
+    env: str | None = None,
 ) -> Any:
-    """An EngineConfig field with its flag: a new engine option is this one declaration."""
-    return field(default=default, metadata={"flag": Flag(kind, help, choices, name, exclusive)})
+    """A config field with its flag: a new option (engine or server) is this one declaration."""
+    declared = Flag(kind, help, choices, name, exclusive, group, metavar, env)
+    return field(default=default, metadata={"flag": declared})
 
 
 @dataclass(frozen=True)  # changed only by `dataclasses.replace`, which validates the copy
@@ -334,23 +342,29 @@ class EngineConfig:
 
 def engine_flags() -> Iterator[tuple[Field[Any], Flag]]:
     """Each EngineConfig field that has a flag, with it, in field order."""
-    for f in fields(EngineConfig):
+    return flags_of(EngineConfig)
+
+
+def flags_of(cls: type) -> Iterator[tuple[Field[Any], Flag]]:
+    """Each field of a dataclass declared with `flag()`, with its Flag, in field order."""
+    for f in fields(cls):
         if "flag" in f.metadata:
             yield f, f.metadata["flag"]
 
 
 @functools.cache
-def _nullable_fields() -> frozenset[str]:
+def _nullable_fields(cls: type) -> frozenset[str]:
     """The fields whose type admits None (`int | None`): None passes their check."""
-    hints = get_type_hints(EngineConfig)
+    hints = get_type_hints(cls)
     return frozenset(name for name, hint in hints.items() if type(None) in get_args(hint))
 
 
-def _declared_problems(c: EngineConfig) -> list[tuple[str, str]]:
-    """(option, message) for every value its field's declared kind or choices reject."""
-    nullable = _nullable_fields()
+def declared_problems(c: Any) -> list[tuple[str, str]]:
+    """(option, message) for every value of the config `c` (EngineConfig, ServerConfig)
+    that its field's declared kind or choices reject."""
+    nullable = _nullable_fields(type(c))
     found = ((f.name, flag.problem(getattr(c, f.name), f.name in nullable))
-             for f, flag in engine_flags())  # fmt: skip
+             for f, flag in flags_of(type(c)))  # fmt: skip
     return [(name, message) for name, message in found if message is not None]
 
 
@@ -373,7 +387,7 @@ def _problems(c: EngineConfig) -> list[tuple[str, str]]:
         (c.num_blocks is None or c.kv_cache_memory is None, "num_blocks and kv_cache_memory",
          "are exclusive: set one or neither"),
     ]  # fmt: skip
-    found = _declared_problems(c) + [(name, message) for ok, name, message in checks if not ok]
+    found = declared_problems(c) + [(name, message) for ok, name, message in checks if not ok]
     order = {f.name: i for i, f in enumerate(fields(EngineConfig))}
     # A stable sort: a cross-field check names no single field and stays last.
     return sorted(found, key=lambda problem: order.get(problem[0], len(order)))

@@ -1,8 +1,10 @@
 """The `pagedserve` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt).
 
 Subcommands are entries of `SUBCOMMANDS`; another package adds its own (e.g. `bench`)
-with `register(Subcommand(...))` before `main()` builds the parser. The engine's flags are
-server/engine_flags.py's; the value types, server/arg_types.py's.
+with `register(Subcommand(...))` before `main()` builds the parser. The engine's and the
+server's flags are the fields of `EngineConfig` (engine/config.py) and `ServerConfig`
+(server/server_config.py), made into flags by server/config_flags.py; the value types are
+server/arg_types.py's.
 """
 
 from __future__ import annotations
@@ -13,32 +15,24 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from server.arg_types import non_negative_float, parse_size, positive_float, positive_int
-from server.engine_flags import (
+from server.arg_types import positive_int
+from server.config_flags import (
+    add_config_arguments,
     add_engine_arguments,
+    config_from_args,
     engine_config_from_args,
-    engine_fields_from_args,
 )
 from server.errors import OpenAIError
-from server.limits import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-    DEFAULT_MAX_CONCURRENT_REQUESTS,
-    DEFAULT_MAX_CONNECTIONS,
-    ConnectionLimits,
-    clamp_to_open_files,
-    raise_open_file_limit,
-    uvicorn_config,
-)
-from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
-from server.serving import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_SEQS_PER_REQUEST
-from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
+from server.limits import clamp_to_open_files, raise_open_file_limit, uvicorn_config
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
+
+if TYPE_CHECKING:  # both import torch, which `pagedserve bench` never loads
+    from engine.config import EngineConfig
+    from server.server_config import ServerConfig
 
 logger = logging.getLogger("pagedserve")
 
@@ -58,15 +52,20 @@ def register(subcommand: Subcommand) -> None:
     SUBCOMMANDS[subcommand.name] = subcommand
 
 
-def _load_engine(args: argparse.Namespace, build: Callable[[Any], Any] | None = None) -> Any:
+def _error(exc: Exception) -> int:
+    print(f"pagedserve: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _load_engine(config: EngineConfig, build: Callable[[Any], Any] | None = None) -> Any:
     """``build(config)`` (default: the `LLMEngine`), or None after printing why the engine
     could not start (bad option, bad model)."""
     from engine import LLMEngine
 
     try:
-        return (build or LLMEngine)(engine_config_from_args(args))
+        return (build or LLMEngine)(config)
     except (ValueError, OSError) as exc:
-        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        _error(exc)
         return None
 
 
@@ -74,74 +73,28 @@ def _load_engine(args: argparse.Namespace, build: Callable[[Any], Any] | None = 
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, then the server's: each a field of `EngineConfig` or of
+    `ServerConfig` (server/server_config.py), made from its declaration."""
+    from server.server_config import ServerConfig
+
     add_engine_arguments(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name",
-                   help="the model name clients use (default: the model's name)")  # fmt: skip
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` or `x-api-key: KEY` (default "
-                   "$PAGEDSERVE_API_KEY); /health and /metrics stay open")  # fmt: skip
-    g.add_argument("--max-waiting-requests", type=positive_int,
-                   help="answer 503 + Retry-After while this many requests wait")  # fmt: skip
-    g.add_argument("--max-request-body-bytes", type=parse_size,
-                   default=DEFAULT_MAX_REQUEST_BODY_BYTES)  # fmt: skip
-    g.add_argument("--max-seqs-per-request", type=positive_int,
-                   default=DEFAULT_MAX_SEQS_PER_REQUEST,
-                   help="answer 400 to a request for more sequences (prompts x n) than this "
-                   "(default %(default)s)")  # fmt: skip
-    g.add_argument("--pin-system-prompt", action="append", default=[], metavar="TEXT",
-                   help="compute this system prompt (as the chat template renders it first "
-                   "in a conversation) at start-up and keep its KV blocks resident; "
-                   "@FILE reads it from a file; repeatable")  # fmt: skip
-    g.add_argument("--pin-prefix", action="append", default=[], metavar="TEXT",
-                   help="the same for a raw completions prompt prefix")  # fmt: skip
-    g.add_argument("--queue-timeout", type=positive_float,
-                   help="seconds a request may wait before its first step; past them it is "
-                   "answered 503 queue_timeout (default: no limit; a request's own "
-                   "`queue_timeout` field wins)")  # fmt: skip
-    g.add_argument("--grammar-compile-timeout", type=positive_float,
-                   default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
-                   help="seconds an output constraint (JSON schema, grammar, regex, tool "
-                   "calls) may take to compile, else 400 grammar_compile_timeout, and may "
-                   "wait for the compile thread, else 503 + Retry-After "
-                   "(default %(default)s)")  # fmt: skip
-    g.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help="seconds SIGTERM/Ctrl-C lets in-flight requests finish before "
-                   "aborting them (default %(default)s; a second signal skips it)")  # fmt: skip
-    g = parser.add_argument_group("connections (README, Limits)")
-    g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="open client connections; past it a new one gets a 503 and is closed "
-                   "(default %(default)s, lowered to fit the open-file limit)")  # fmt: skip
-    g.add_argument("--max-concurrent-requests", type=positive_int,
-                   default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-                   help="HTTP requests in flight; past it a 503 + Retry-After "
-                   "(default %(default)s)")  # fmt: skip
-    g.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help="seconds a connection has to send a request's headers, else it is "
-                   "closed (slowloris; default %(default)s)")  # fmt: skip
-    g.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S,
-                   help="seconds after the headers to send the whole body, else the "
-                   "connection is closed (default %(default)s)")  # fmt: skip
-    g.add_argument("--keep-alive-timeout", type=positive_float,
-                   default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-                   help="seconds an idle kept-alive connection stays open "
-                   "(default %(default)s)")  # fmt: skip
-    g = parser.add_argument_group("server")
-    g.add_argument("--stats-interval", type=float, default=5.0,
-                   help="seconds between stats log lines while busy")  # fmt: skip
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
-    g = parser.add_argument_group("replicas (Ray Serve)")
-    g.add_argument("--data-parallel-size", type=positive_int, default=1,
-                   help="engine replicas behind one ingress on a local Ray instance "
-                   "(default 1: no Ray); see server/replicas")  # fmt: skip
-    g.add_argument("--router", choices=["prefix", "default"], default="prefix",
-                   help="with replicas: prefix-cache-aware (default) or Ray Serve's own")  # fmt: skip
+    add_config_arguments(parser, ServerConfig, "server")
 
 
-def run_replicas(args: argparse.Namespace) -> int:
+def serve_from_args(args: argparse.Namespace) -> int:
+    """`pagedserve serve`: the configs the flags make (a bad value is a one-line error and
+    exit status 2), then `run_serve`."""
+    from server.server_config import ServerConfig
+
+    try:
+        engine = engine_config_from_args(args)
+        server = config_from_args(ServerConfig, args)
+    except ValueError as exc:
+        return _error(exc)
+    return run_serve(server, engine)
+
+
+def run_replicas(server: ServerConfig, engine: EngineConfig) -> int:
     """`--data-parallel-size N`: the Ray Serve application (server/replicas/deployment.py)
     on a local Ray instance, until Ctrl-C."""
     import ray
@@ -149,19 +102,12 @@ def run_replicas(args: argparse.Namespace) -> int:
 
     from server.replicas.deployment import build
 
-    engine = engine_fields_from_args(args)
-    server = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-              "max_waiting_requests": args.max_waiting_requests,
-              "max_request_body_bytes": args.max_request_body_bytes,
-              "max_seqs_per_request": args.max_seqs_per_request,
-              "queue_timeout": args.queue_timeout,
-              "grammar_compile_timeout": args.grammar_compile_timeout}  # fmt: skip
-    app = build({"num_replicas": args.data_parallel_size, "router": args.router,
-                 "engine": engine, "server": server})  # fmt: skip
+    app = build({"num_replicas": server.data_parallel_size, "router": server.router,
+                 "engine": asdict(engine), "server": server.app_options()})  # fmt: skip
     ray.init(include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    print(f"pagedserve: {args.data_parallel_size} replicas ({args.router} routing) on "
-          f"http://{args.host}:{args.port}", flush=True)  # fmt: skip
+    serve.start(http_options={"host": server.host, "port": server.port})
+    print(f"pagedserve: {server.data_parallel_size} replicas ({server.router} routing) on "
+          f"http://{server.host}:{server.port}", flush=True)  # fmt: skip
     try:
         serve.run(app, name="pagedserve", route_prefix="/", blocking=True)
     except KeyboardInterrupt:
@@ -172,7 +118,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     return 0
 
 
-def pin_prefixes(engine: Any, system_prompts: list[str], prefixes: list[str]) -> Any:
+def pin_prefixes(engine: Any, system_prompts: Sequence[str], prefixes: Sequence[str]) -> Any:
     """Pin each system prompt (rendered as the chat route renders a conversation that opens
     with it) and each raw prefix (encoded as the completions route encodes a prompt);
     ValueError naming the one that cannot be (an unreadable @FILE, no chat template)."""
@@ -202,15 +148,17 @@ def pin_prefixes(engine: Any, system_prompts: list[str], prefixes: list[str]) ->
     return engine
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    if args.data_parallel_size > 1:
-        return run_replicas(args)
+def run_serve(server: ServerConfig, engine_config: EngineConfig) -> int:
+    """The server `server` describes over the engine `engine_config` describes, until
+    SIGTERM or Ctrl-C (then the process exits here); 2 if the engine cannot start."""
+    if server.data_parallel_size > 1:
+        return run_replicas(server, engine_config)
     from server.app import build_app
     from server.async_engine import AsyncEngine
     from server.shutdown import GracefulServer
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from engine.core import EngineCore
 
@@ -218,32 +166,23 @@ def run_serve(args: argparse.Namespace) -> int:
         # One thread for all torch work: one OpenMP team (server/async_engine.py says why).
         return AsyncEngine.load(
             lambda: pin_prefixes(
-                EngineCore.from_config(config), args.pin_system_prompt, args.pin_prefix
+                EngineCore.from_config(config), server.pin_system_prompt, server.pin_prefix
             ),
-            log_interval_s=args.stats_interval,
+            log_interval_s=server.stats_interval,
         )
 
-    client = _load_engine(args, load_on_the_engine_thread)
+    client = _load_engine(engine_config, load_on_the_engine_thread)
     if client is None:
         return 2
-    engine = client.core
-    app = build_app(
-        client,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_waiting_requests=args.max_waiting_requests,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_seqs_per_request=args.max_seqs_per_request,
-        queue_timeout=args.queue_timeout,
-        grammar_compile_timeout=args.grammar_compile_timeout,
-    )
-    print(startup_banner(engine, app.state.ctx.served_model_name, args.host, args.port), flush=True)
-    limits = clamp_to_open_files(connection_limits_from_args(args), raise_open_file_limit())
+    app = build_app(client, **server.app_options())
+    served_name = app.state.ctx.served_model_name
+    print(startup_banner(client.core, served_name, server.host, server.port), flush=True)
+    limits = clamp_to_open_files(server.connection_limits(), raise_open_file_limit())
     config = uvicorn_config(
-        app, limits, host=args.host, port=args.port, log_level=args.log_level,
+        app, limits, host=server.host, port=server.port, log_level=server.log_level,
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    GracefulServer(config, client, drain_timeout_s=args.drain_timeout).run()
+    GracefulServer(config, client, drain_timeout_s=server.drain_timeout).run()
     code = 0
     if client.died_of_failure:
         print(f"pagedserve: exiting: {client.dead_reason}", file=sys.stderr)
@@ -261,16 +200,6 @@ def _exit_without_teardown(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(
-        max_connections=args.max_connections,
-        max_concurrent_requests=args.max_concurrent_requests,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout,
-    )
 
 
 def startup_banner(core: Any, served_name: str, host: str, port: int) -> str:
@@ -307,9 +236,12 @@ def run_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
         )
     except ValueError as exc:
-        print(f"pagedserve: error: {exc}", file=sys.stderr)
-        return 2
-    engine = _load_engine(args)
+        return _error(exc)
+    try:
+        engine_config = engine_config_from_args(args)
+    except ValueError as exc:
+        return _error(exc)
+    engine = _load_engine(engine_config)
     if engine is None:
         return 2
     tokenizer = engine.core.tokenizer
@@ -323,8 +255,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         engine.add_request("generate-0", list(prompt_ids), params)
     except ValueError as exc:
-        print(f"pagedserve: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.new_text)
@@ -334,7 +265,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 register(
-    Subcommand("serve", "run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve)
+    Subcommand(
+        "serve", "run the OpenAI-compatible HTTP server", add_serve_arguments, serve_from_args
+    )
 )
 register(Subcommand("generate", "generate text for one prompt and print it",
                     add_generate_arguments, run_generate))  # fmt: skip

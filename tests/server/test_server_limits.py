@@ -15,13 +15,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.cli import build_parser, connection_limits_from_args
+from server.cli import build_parser
+from server.config_flags import config_from_args
 from server.limits import (
     ConnectionLimits,
     LimitedHttpProtocol,
     clamp_to_open_files,
     uvicorn_config,
 )
+from server.server_config import ServerConfig
 from tests.server.conftest import RunningServer, make_engine, running_server, wait_until
 
 SLOW_CONNECTIONS = 50
@@ -210,12 +212,12 @@ def test_the_serve_flags_set_the_limits_and_the_open_file_limit_bounds_them():
         ["serve", "--max-connections", "5000", "--max-concurrent-requests", "7",
          "--header-timeout", "3", "--body-timeout", "4.5", "--keep-alive-timeout", "2"]
     )  # fmt: skip
-    limits = connection_limits_from_args(args)
+    limits = config_from_args(ServerConfig, args).connection_limits()
     assert limits == ConnectionLimits(5000, 7, 3.0, 4.5, 2.0)
     assert clamp_to_open_files(limits, 1024).max_connections == 1024 - 128
     assert clamp_to_open_files(limits, 100_000) == limits
-    defaults = connection_limits_from_args(build_parser().parse_args(["serve"]))
-    assert defaults == ConnectionLimits()
+    defaults = config_from_args(ServerConfig, build_parser().parse_args(["serve"]))
+    assert defaults.connection_limits() == ConnectionLimits()
     config = uvicorn_config(object(), limits)
     assert issubclass(config.http, LimitedHttpProtocol) and config.http.limits == limits
     assert config.timeout_keep_alive == 2.0

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from server.arg_types import parse_size
 from server.chat_rendering import conversation
 from server.cli import build_parser
-from server.engine_flags import engine_config_from_args
+from server.config_flags import engine_config_from_args
 from server.errors import OpenAIError, from_value_error, validation_error
 from server.protocol import (
     ChatCompletionRequest,
