@@ -40,8 +40,6 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 # Every package of the project: a new one is covered without a line here.
 PACKAGES = tuple(
