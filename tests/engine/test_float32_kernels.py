@@ -15,7 +15,7 @@ from engine.attention import get_attention_backend, write_kv
 from engine.attention.reference import reference_paged_attention
 from engine.config import EngineConfig
 from engine.execution_plan import ModelShape, resolve_attention
-from engine.kernels import ggml_kernels, layer_kernels
+from engine.kernels import ggml_kernels, layer_kernels, switch
 from engine.models.layer_ops import TorchOps, rms_norm
 from engine.models.rotary import apply_rotary
 from tests.engine.gguf_models import write_mixed_gguf
@@ -146,7 +146,9 @@ def float32_gguf_llm(float32_gguf) -> LLM:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch):
     summary = float32_gguf_llm.engine.core.compute_summary
-    assert summary.startswith("attention cpu-paged, CPU kernels AVX2 (fused ops, decode stack)")
+    # (The plan names the switch when `make test`'s AVX2 pass sets it.)
+    build = "AVX2, $PAGEDSERVE_CPU_KERNELS=avx2" if switch() == "avx2" else "AVX2"
+    assert summary.startswith(f"attention cpu-paged, CPU kernels {build} (fused ops, decode stack)")
     assert "Q4_K x" in summary, summary
     _assert_stack_equals_python_layers(float32_gguf_llm, batch)
 
