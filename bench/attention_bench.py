@@ -214,15 +214,7 @@ def bench_matmul(args) -> None:
             )
 
 
-MODEL_CASES = [
-    "decode1",
-    "decode8",
-    "decode32",
-    "decode64",
-    "shared-decode64",
-    "prefill500",
-    "prefill500+cached500",
-]
+MODEL_CASES = [case for case in SCENARIOS if case != "mixed"]
 
 
 def bench_model(args) -> None:

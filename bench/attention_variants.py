@@ -118,12 +118,7 @@ def decode_matmul(q, k_cache, v_cache, group, scale):
     """Decodes with explicit matmul / float32 softmax (fresh gathers)."""
     n = q.shape[0]
     keys, values = _gather_padded(k_cache, group, n), _gather_padded(v_cache, group, n)
-    qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
-    if group.mask is not None:
-        scores = scores.masked_fill(~group.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).reshape(n, NUM_HEADS, HEAD_DIM)
+    return _matmul_attention(q, keys, values, group, scale)
 
 
 def decode_matmul_reused(q, k_cache, v_cache, group, scale):
@@ -131,6 +126,12 @@ def decode_matmul_reused(q, k_cache, v_cache, group, scale):
     n = q.shape[0]
     keys, values = sdpa._gather_blocks(k_cache, v_cache, group.flat_block_table, n, q.dtype)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [G, kvh, S, d], strided
+    return _matmul_attention(q, keys, values, group, scale)
+
+
+def _matmul_attention(q, keys, values, group, scale):
+    """softmax(q K^T * scale, float32, masked) V over gathered ``[G, kvh, S, d]`` K/V."""
+    n = q.shape[0]
     qg = q.reshape(n, NUM_KV_HEADS, -1, HEAD_DIM)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
     if group.mask is not None:

@@ -373,14 +373,7 @@ class EngineCore:
         return outputs
 
     def _update_stats(self, sched_out: SchedulerOutput, updated: list[Request]) -> None:
-        s = self.stats
-        kv = self.kv_cache_manager
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.kv_cache_usage = kv.usage
-        s.kv_blocks = kv.block_counts()
-        s.prefix_cache_queries = kv.stats.queries
-        s.prefix_cache_hits = kv.stats.hits
+        s, kv = self.refresh_stats(), self.kv_cache_manager
         s.tier_hits = kv.stats.tier_hits
         if kv.tier is not None:
             s.tier_blocks, s.tier_num_blocks = len(kv.tier), kv.tier.num_slots

@@ -6,6 +6,7 @@ weights at load (`int8`, `int4`), and a GGUF's own blocks (`gguf`). Importing th
 imports every format, so the registry is whole before anyone reads it.
 """
 
+from engine.config import from_float_formats
 from engine.quantization.base import (
     METHODS,
     QuantizationMethod,
@@ -27,7 +28,7 @@ from engine.quantization.gguf import GGUF, GGUFMethod
 # isort: on
 
 # the weight formats `Linear` packs from float weights (what --quantization may ask for)
-QUANTIZATIONS = METHODS.names(lambda method: method.from_float)
+QUANTIZATIONS = from_float_formats()
 
 __all__ = [
     "GGUF",
