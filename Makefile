@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: serve test lint clean chromium
+.PHONY: serve test lint clean chromium reference
 
 # torch==2.13.0 first: it is the CPU build on these machines, and once it is in
 # the venv the project's torch range installs nothing more.
@@ -60,6 +60,10 @@ test: $(STAMP) chromium
 		PAGEDSERVE_CPU_KERNELS=avx2 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal \
 			$(AVX2_PASS_TESTS); \
 	fi
+
+# docs/reference.md from the code (flags, routes, body fields, metrics); a test checks it.
+reference: $(STAMP)
+	$(PY) -m server.reference
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

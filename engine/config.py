@@ -145,7 +145,12 @@ class EngineConfig:
         help="a Hugging Face model directory or a .gguf file "
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    dtype: str = flag("auto", choices=("auto", *DTYPES))
+    dtype: str = flag(
+        "auto",
+        choices=("auto", *DTYPES),
+        help="auto (default): bfloat16 on CUDA and on CPUs with bf16 dot products "
+        "(AVX512-BF16, AMX), else float32; float32 is the token-exact reference",
+    )
     device: str = flag("auto", help="auto, cpu, cuda or cuda:N (default auto)")
     # A power of two, which `_problems` checks.
     block_size: int = flag(16, Kind("positive_int"), help="tokens per KV block (default 16)")
@@ -178,7 +183,12 @@ class EngineConfig:
         "(e.g. 4GiB) under the cache dir and come back on a "
         "hit; it outlives the process (default: none)",
     )
-    gpu_memory_utilization: float = flag(0.9, Kind("float"))  # `_problems` checks (0, 1]
+    gpu_memory_utilization: float = flag(  # `_problems` checks (0, 1]
+        0.9,
+        Kind("float"),
+        help="CUDA: the fraction of the GPU's memory pagedserve may use; the KV cache "
+        "takes what the weights and activations leave (default 0.9)",
+    )
     max_num_seqs: int = flag(256, POSITIVE_INT, help="requests per batch")
     max_num_batched_tokens: int = flag(2048, POSITIVE_INT, help="tokens per step")
     # None: the model's max_position_embeddings
@@ -186,7 +196,12 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(
         True, SWITCH, name="no-prefix-caching", help="disable prefix caching"
     )
-    prefix_cache_hash: str = flag("builtin", choices=PREFIX_CACHE_HASHES)
+    prefix_cache_hash: str = flag(
+        "builtin",
+        choices=PREFIX_CACHE_HASHES,
+        help="the prefix cache's block hashes: builtin (default), or sha256, which "
+        "cannot collide across tenants",
+    )
     # Admission order (scheduler/config.py): "fcfs", or "lpm" (longest cached prefix first;
     # past age_bound_s seconds of waiting, arrival order again).
     scheduling_policy: str = flag(
@@ -202,9 +217,14 @@ class EngineConfig:
         help="lpm: seconds after which a waiting request is admitted in "
         "arrival order, before any the cache prefers (default 5)",
     )
-    seed: int = flag(0, INTEGER)
+    seed: int = flag(0, INTEGER, help="torch's seed at start-up (default 0)")
     # "auto": the execution plan picks (engine/execution_plan.py); else a registered backend.
-    attention_backend: str = flag("auto", choices=lambda: ("auto", *ATTENTION_BACKENDS.names()))
+    attention_backend: str = flag(
+        "auto",
+        choices=lambda: ("auto", *ATTENTION_BACKENDS.names()),
+        help="auto (default): the execution plan's pick (cpu-paged on CPUs with the paged "
+        "decode kernel, triton on CUDA, else sdpa); the others for comparisons",
+    )
     # CUDA: decode steps replay graphs captured at start-up (engine/cuda_graphs.py) where
     # the attention backend allows it; this keeps every step eager (for debugging, or to
     # save the graphs' start-up time and memory).

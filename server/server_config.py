@@ -61,8 +61,8 @@ APP_OPTIONS = ("served_model_name", "api_key", "max_waiting_requests", "max_requ
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = flag("127.0.0.1")
-    port: int = flag(8000, PORT)
+    host: str = flag("127.0.0.1", help="the address to listen on (default %(default)s)")
+    port: int = flag(8000, PORT, help="the port to listen on (default %(default)s)")
     served_model_name: str | None = flag(
         None, help="the model name clients use (default: the model's name)"
     )
@@ -75,7 +75,11 @@ class ServerConfig:
     max_waiting_requests: int | None = flag(
         None, POSITIVE_INT, help="answer 503 + Retry-After while this many requests wait"
     )
-    max_request_body_bytes: int = flag(DEFAULT_MAX_REQUEST_BODY_BYTES, BYTES)
+    max_request_body_bytes: int = flag(
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        BYTES,
+        help="answer 413 to a request body larger than this, e.g. 4MiB (default 4 MiB)",
+    )
     max_seqs_per_request: int = flag(
         DEFAULT_MAX_SEQS_PER_REQUEST,
         POSITIVE_INT,
@@ -149,7 +153,7 @@ class ServerConfig:
     stats_interval: float = flag(
         5.0, SECONDS, group=SERVER, help="seconds between stats log lines while busy"
     )
-    log_level: str = flag("info", choices=LOG_LEVELS, group=SERVER)
+    log_level: str = flag("info", choices=LOG_LEVELS, group=SERVER, help="(default info)")
     # --data-parallel-size N > 1: N engine replicas on Ray Serve (server/replicas).
     data_parallel_size: int = flag(
         1,
