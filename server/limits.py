@@ -9,7 +9,7 @@ the first byte of a later request on a kept-alive one), and one whose body is no
 complete within `body_timeout_s` after its headers. Past `max_connections` a new socket
 gets a 503 and is closed at once; past `max_concurrent_requests` a request gets a 503 in
 the OpenAI shape with `Retry-After`. For the internet, put a reverse proxy in front
-(README, "Limits"): it buffers slow clients far more cheaply than Python can.
+(docs/limits.md): it buffers slow clients far more cheaply than Python can.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ROUTERS = ("prefix", "default")
 
 # --help's sections past the first ("server"), which every other field is in.
-CONNECTIONS = "connections (README, Limits)"
+CONNECTIONS = "connections (docs/limits.md)"
 SERVER = "server"
 REPLICAS = "replicas (Ray Serve)"
 

@@ -39,7 +39,7 @@ from tests.docker.dockerfile import (
 )
 
 ENTRYPOINT = ["pagedserve", "serve", "--host", "0.0.0.0"]
-DOCS = REPO / "README.md"
+DOCS = REPO / "docs" / "docker.md"
 
 
 # -- hadolint ------------------------------------------------------------------------------------
@@ -266,11 +266,11 @@ def test_healthcheck_fails_when_nothing_listens() -> None:
     assert _healthcheck(url) == 1
 
 
-# -- README.md ---------------------------------------------------------------------------------
+# -- docs/docker.md ----------------------------------------------------------------------------
 
 
 def _docs_commands(prefix: str) -> list[list[str]]:
-    """Every command in README.md's code blocks that starts with `prefix` (continuations
+    """Every command in docs/docker.md's code blocks that starts with `prefix` (continuations
     joined), as argv lists."""
     text = DOCS.read_text(encoding="utf-8")
     blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
