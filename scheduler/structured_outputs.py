@@ -1,5 +1,6 @@
 """What shape a request's output must have: a JSON schema, any JSON object, a regex, one of
-a list of strings, or an EBNF grammar.
+a list of strings, an EBNF grammar, or an xgrammar structural tag (free text in which
+tagged parts, such as tool calls, must match their JSON schemas).
 
 Pure Python: the server builds it from `response_format`, `structured_outputs` or tools,
 the engine compiles it (xgrammar) and masks each step's logits with it. Frozen, it is
@@ -12,14 +13,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     kind: Kind
     # json: the schema as canonical JSON text; regex / grammar: the pattern or EBNF text;
-    # choice: the choices as a JSON list; json_object: "".
+    # choice: the choices as a JSON list; structural_tag: xgrammar's structural tag as JSON
+    # text; json_object: "".
     spec: str = ""
     # json only: properties and items the schema does not name are not allowed (OpenAI's
     # `strict`, xgrammar's strict mode); False follows JSON Schema's open default.

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from engine import RequestOutput, TokenLogprob
 from server.chat_rendering import conversation
 from server.engine_client import EngineStream
+from server.generic_tools import declares_tools
 from server.output_schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,7 +45,7 @@ from server.serving import (
     respond,
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
-from server.tool_calls import ToolCallReader, finish_reason, output_constraint, template_tools
+from server.tool_calls import ToolCallReader, finish_reason, output_constraint, template_input
 from server.validation import check_chat_supported
 
 
@@ -60,11 +61,12 @@ async def create_chat_completion(
 
 
 def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    """The request's messages (and tools, where the template shows them) as token ids."""
-    tools = template_tools(req, getattr(ctx.tokenizer, "chat_template", None))
-    text = apply_chat_template(
-        ctx.tokenizer, conversation(req.messages), req.add_generation_prompt is not False, tools
-    )
+    """The request's messages and tools as token ids (server/tool_calls.py: how tools,
+    calls and results are shown on a template that has no place for them)."""
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    messages, tools = template_input(req, conversation(req.messages), template)
+    text = apply_chat_template(ctx.tokenizer, messages, req.add_generation_prompt is not False,
+                               tools)  # fmt: skip
     return encode_chat(ctx.tokenizer, text)
 
 
@@ -81,7 +83,8 @@ async def serve_chat(
     makes: the one path of chat completions and of the APIs translated into it (Anthropic's
     Messages, OpenAI's Responses), so a conversation renders to the same tokens in each."""
     check_request(ctx, req, endpoint, 1, check_chat_supported)
-    constraint = output_constraint(req)
+    generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
+    constraint = output_constraint(req, generic)
     prompt_ids = chat_prompt_ids(ctx, req)
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(

@@ -157,8 +157,9 @@ class CountTokensRequest(OpenAIBaseModel):
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages. Rules beyond this schema (400 when broken), as for chat: the
     rendered prompt plus max_tokens fit the context; `tools`' names are distinct and a
-    `tool` choice names one of them; tools without a tool_choice (or `auto`) need a chat
-    template that declares tool support; the output constraint compiles."""
+    `tool` choice names one of them; the output constraint compiles (with tools and `auto`,
+    the default, on a template without tools: the generic format's grammar, its schemas
+    checked like any other)."""
 
     max_tokens: MaxTokens
     stop_sequences: list[NonEmptyStr] | None = None

@@ -294,8 +294,9 @@ class ChatCompletionRequest(SamplingFields):
     rendered messages' tokens plus that budget fit the model's context (max_model_len);
     at most one output constraint (response_format, structured_outputs, guided_*, tools
     with tool_choice "required" or named), which must compile; a named tool_choice names
-    a function in `tools`, whose names are distinct; tool_choice "auto" (the default with
-    tools) needs a chat template that declares tool support."""
+    a function in `tools`, whose names are distinct. tool_choice "auto" (the default with
+    tools) on a template without tools is served in the generic format: its grammar must
+    compile too, and a structured-output field beside it is the answer's format."""
 
     model_config = ConfigDict(
         json_schema_extra=schema_extra(

@@ -135,8 +135,8 @@ _RULES = (
 class ResponsesRequest(OpenAIBaseModel):
     """POST /v1/responses. Rules beyond this schema (400 when broken), as for chat: the
     rendered prompt plus max_output_tokens fit the context; tool names are distinct and a
-    named tool_choice names one of them; tools with tool_choice `auto` (the default) need
-    a chat template that declares tool support; the output constraint compiles. An
+    named tool_choice names one of them; the output constraint compiles (with tools and
+    `auto`, the default, on a template without tools: the generic format's grammar). An
     unknown (or expired, or unstored) `previous_response_id` is a 404."""
 
     model_config = {"json_schema_extra": {"allOf": list(_RULES)}}

@@ -7,10 +7,14 @@
 * "required": the output is constrained to a JSON array of `{"name", "parameters"}`
   objects, one per call (vLLM's form), at least one; one at most with
   `parallel_tool_calls: false`.
-* "auto": nothing is constrained; the chat template shows the model its tools and the
-  model answers in text or with Hermes `<tool_call>` blocks, parsed out of that text.
-  Only templates that declare tool support can do this; others get a 400.
+* "auto": the model answers in text or with Hermes `<tool_call>` blocks, parsed out of
+  that text. A chat template that declares tool support shows the model its tools and
+  nothing is constrained; on any other template the generic format (server/generic_tools.py)
+  describes them in the system turn and a structural tag keeps each call well-formed.
 * "none": tools are ignored (not even shown to the model).
+
+Earlier calls and tool results in the conversation render through the template where it
+declares tool support, else through the generic format, whatever the mode.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import StructuredOutputs
-from server.errors import bad_request
+from server.generic_tools import auto_constraint, declares_tools, generic_conversation
 from server.output_schemas import (
     ChatMessage,
     FunctionCall,
@@ -42,9 +46,14 @@ from server.tool_parsers import new_call as new_call_id
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
-    """The grammar a request's tool_choice asks for, and the field it comes from."""
+def tool_constraint(
+    req: ChatCompletionRequest, generic: bool = False
+) -> tuple[StructuredOutputs, str] | None:
+    """The grammar a request's tool_choice asks for, and the field it comes from; `generic`:
+    the template has no place for tools (the generic format's "auto" is constrained)."""
     mode = req.tool_mode
+    if mode == "auto" and generic:
+        return auto_constraint(tool_dicts(req), req.parallel_tool_calls is False), "tools"
     if mode == "named":
         assert isinstance(req.tool_choice, NamedToolChoice)
         tool = _tool(req, req.tool_choice.function.name)
@@ -56,10 +65,18 @@ def tool_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str]
     return None
 
 
-def output_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
+def output_constraint(
+    req: ChatCompletionRequest, generic: bool = False
+) -> tuple[StructuredOutputs, str] | None:
     """The chat request's one output constraint: its structured-output fields' or its
     tools'; 400 when both give one."""
-    found = [c for c in (request_constraint(req), tool_constraint(req)) if c is not None]
+    answer = request_constraint(req)
+    if generic and req.tool_mode == "auto" and answer is not None:
+        # Calls or the structured answer: one grammar (server/generic_tools.py). A fault in
+        # it is reported against the answer's field, the part clients write by hand.
+        single = req.parallel_tool_calls is False
+        return auto_constraint(tool_dicts(req), single, answer[0]), answer[1]
+    found = [c for c in (answer, tool_constraint(req, generic)) if c is not None]
     return at_most_one_constraint(found)
 
 
@@ -91,19 +108,25 @@ def _tool(req: ChatCompletionRequest, name: str) -> ChatTool:
     return next(t for t in req.tools or () if t.function.name == name)
 
 
-def template_tools(req: ChatCompletionRequest, chat_template: Any) -> list[dict] | None:
-    """The tools the chat template is given (None: none); 400 for "auto" with a template
-    that has no place for them, since the model would never be told of them."""
-    mode = req.tool_mode
-    if mode == "none":
-        return None
-    if mode == "auto" and "tools" not in str(chat_template or ""):
-        raise bad_request(
-            "This model's chat template does not declare tool support, so tool_choice "
-            '"auto" cannot be served; use tool_choice "required" or name a function.',
-            param="tool_choice",
-        )
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools shown to the model (None: none, tool_choice "none" or no tools)."""
+    return None if req.tool_mode == "none" else tool_dicts(req)
+
+
+def tool_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's tools as plain dicts, as templates and the generic format take them."""
     return [t.model_dump(exclude_none=True) for t in req.tools or ()]
+
+
+def template_input(
+    req: ChatCompletionRequest, messages: list[dict[str, Any]], chat_template: Any
+) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """The messages and tools the chat template is given: as they are where the template
+    declares tool support, else written in the generic format (tools passed as None)."""
+    tools = template_tools(req)
+    if declares_tools(chat_template):
+        return messages, tools
+    return generic_conversation(messages, tools), None
 
 
 def _out(call: ParsedCall) -> ToolCall:

@@ -100,7 +100,24 @@ class GrammarCache:
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+        if spec.kind == "structural_tag":
+            tag = json.loads(spec.spec)
+            for schema in embedded_schemas(tag):  # the same refusals as a lone schema's
+                check_json_schema(schema)
+            return compiler.compile_structural_tag(tag)
         return compiler.compile_grammar(spec.spec)
+
+
+def embedded_schemas(node: Any) -> list[Any]:
+    """The JSON schemas of a structural tag's `json_schema` formats (not looked inside:
+    the tag's own nesting is shallow, a schema's is check_json_schema's to measure)."""
+    if isinstance(node, list):
+        return [s for item in node for s in embedded_schemas(item)]
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "json_schema":
+        return [node.get("json_schema")]
+    return [s for value in node.values() for s in embedded_schemas(value)]
 
 
 def choice_grammar(choices: list[str]) -> str:

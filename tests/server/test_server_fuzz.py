@@ -35,6 +35,7 @@ from schemathesis.engine import Status, events
 from engine.structured_output.grammar_cache import GrammarCache
 from server.chat_rendering import conversation
 from server.errors import OpenAIError, speaks_anthropic
+from server.generic_tools import declares_tools
 from server.messages import CountTokensRequest, MessagesRequest, chat_request
 from server.protocol import (
     SEED_MAX,
@@ -50,7 +51,7 @@ from server.responses import ResponsesRequest, conversation_of
 from server.responses import chat_request as responses_chat_request
 from server.structured_outputs import request_constraint
 from server.tokens import apply_chat_template, encode_chat, encode_prompt
-from server.tool_calls import output_constraint, template_tools
+from server.tool_calls import output_constraint, template_input
 from server.validation import check_tools
 from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
 from tests.server.conftest import (
@@ -193,7 +194,6 @@ def _messages_break_an_unstated_rule(path: str, body: dict[str, Any], tokenizer:
         return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
     try:  # count_tokens renders the prompt only
         check_tools(chat)
-        template_tools(chat, tokenizer.chat_template)
     except OpenAIError:
         return True
     return False
@@ -219,8 +219,7 @@ def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
     try:
         if isinstance(req, ChatCompletionRequest):
             check_tools(req)
-            constraint = output_constraint(req)
-            template_tools(req, tokenizer.chat_template)
+            constraint = output_constraint(req, not declares_tools(tokenizer.chat_template))
         else:
             constraint = request_constraint(req)
         if constraint is not None:
@@ -242,10 +241,8 @@ def _prompt_lengths(req: Any, tokenizer: Any) -> tuple[list[int], int | None]:
             len(encode_prompt(tokenizer, p, VOCAB_SIZE, "prompt")) for p in req.prompt_list()
         ]
         return lengths, req.max_tokens
-    tools = template_tools(req, tokenizer.chat_template)
-    text = apply_chat_template(
-        tokenizer, conversation(req.messages), req.add_generation_prompt is not False, tools
-    )
+    messages, tools = template_input(req, conversation(req.messages), tokenizer.chat_template)
+    text = apply_chat_template(tokenizer, messages, req.add_generation_prompt is not False, tools)
     return [len(encode_chat(tokenizer, text))], req.requested_max_tokens()
 
 

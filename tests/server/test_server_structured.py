@@ -274,7 +274,14 @@ def test_tool_choice_none_ignores_tools(default_server):
          "tool_choice", "'nope'"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tools",
          "Only one output constraint"),
-        ({"tools": TOOLS}, "tool_choice", "does not declare tool support"),
+        # tool_choice "auto" (the default) on a template without tools: the generic
+        # format's grammar checks each tool's schema as a lone schema is checked.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"not": {"const": 1}}}}}}]},
+         "tools", "`not` is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": 5}}}], "tool_choice": "auto"},
+         "tools", "not a valid JSON Schema"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_400_naming_the_field(default_server, body, param, words):
