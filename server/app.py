@@ -58,6 +58,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.reasoning import REASONING_PARSERS
 from server.request_base import server_limit
 from server.responses import (
     DeletedResponse,
@@ -89,6 +90,7 @@ def build_app(
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     queue_timeout: float | None = None,
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
@@ -100,12 +102,15 @@ def build_app(
     `queue_timeout` is the seconds a request may wait unscheduled unless it sets its own
     (then 503 `queue_timeout`);
     `grammar_compile_timeout` the seconds an output constraint may take to compile (then
-    400 `grammar_compile_timeout`) and may wait to start (then 503; None: no limit).
+    400 `grammar_compile_timeout`) and may wait to start (then 503; None: no limit);
+    `reasoning_parser` how a think block is separated from the answer (server/reasoning.py).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
     if max_seqs_per_request < 1:
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
     seconds = {"queue_timeout": queue_timeout, "grammar_compile_timeout": grammar_compile_timeout}
     for name, value in seconds.items():
         if value is not None and not 0 < value < float("inf"):
@@ -117,6 +122,7 @@ def build_app(
         max_seqs_per_request=max_seqs_per_request,
         queue_timeout=queue_timeout,
         grammar_compile_timeout=grammar_compile_timeout,
+        reasoning_parser=reasoning_parser,
     )
 
     @asynccontextmanager

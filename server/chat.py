@@ -32,6 +32,7 @@ from server.output_schemas import (
     make_usage,
 )
 from server.protocol import ChatCompletionRequest
+from server.reasoning import NO_REASONING, ReasoningMode, reasoning_mode, resolve_parser
 from server.serving import (
     OPENAI_STREAM,
     ResponseView,
@@ -45,7 +46,13 @@ from server.serving import (
     respond,
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
-from server.tool_calls import ToolCallReader, finish_reason, output_constraint, template_input
+from server.tool_calls import (
+    ToolCallReader,
+    finish_reason,
+    merge_deltas,
+    output_constraint,
+    template_input,
+)
 from server.validation import check_chat_supported
 
 
@@ -54,20 +61,31 @@ async def create_chat_completion(
 ) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def view(num_prompt: int) -> _ChatView:
-        return _ChatView(ctx, req, request_id, num_prompt)
+    def view(num_prompt: int, reasoning: ReasoningMode) -> _ChatView:
+        return _ChatView(ctx, req, request_id, num_prompt, reasoning)
 
     return await serve_chat(ctx, req, request_id, "/v1/chat/completions", view, raw_request)
 
 
-def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    """The request's messages and tools as token ids (server/tool_calls.py: how tools,
-    calls and results are shown on a template that has no place for them)."""
+def chat_prompt_text(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The request's messages and tools rendered by the chat template (server/tool_calls.py:
+    how tools, calls and results are shown on a template that has no place for them)."""
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages, tools = template_input(req, conversation(req.messages), template)
-    text = apply_chat_template(ctx.tokenizer, messages, req.add_generation_prompt is not False,
+    return apply_chat_template(ctx.tokenizer, messages, req.add_generation_prompt is not False,
                                tools)  # fmt: skip
-    return encode_chat(ctx.tokenizer, text)
+
+
+def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    return encode_chat(ctx.tokenizer, chat_prompt_text(ctx, req))
+
+
+def request_reasoning(ctx: ServingContext, prompt_text: str, constrained: bool) -> ReasoningMode:
+    """How the output's reasoning is read (server/reasoning.py). Under an output constraint
+    the output is the constrained text from its first token, never inside a think block."""
+    parser = resolve_parser(ctx.reasoning_parser, getattr(ctx.tokenizer, "chat_template", None))
+    mode = reasoning_mode(parser, prompt_text)
+    return ReasoningMode(mode.enabled) if constrained else mode
 
 
 async def serve_chat(
@@ -75,23 +93,25 @@ async def serve_chat(
     req: ChatCompletionRequest,
     request_id: str,
     endpoint: str,
-    make_view: Callable[[int], ResponseView],
+    make_view: Callable[[int, ReasoningMode], ResponseView],
     raw_request: Request,
     fmt: StreamFormat = OPENAI_STREAM,
 ) -> Response:
-    """A chat request through the engine, answered by the view `make_view(prompt tokens)`
-    makes: the one path of chat completions and of the APIs translated into it (Anthropic's
+    """A chat request through the engine, answered by the view `make_view(prompt tokens,
+    reasoning mode)` makes: the one path of chat completions and of the APIs translated into it (Anthropic's
     Messages, OpenAI's Responses), so a conversation renders to the same tokens in each."""
     check_request(ctx, req, endpoint, 1, check_chat_supported)
     generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
     constraint = output_constraint(req, generic)
-    prompt_ids = chat_prompt_ids(ctx, req)
+    prompt_text = chat_prompt_text(ctx, req)
+    prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
+    reasoning = request_reasoning(ctx, prompt_text, constraint is not None)
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
         "messages", structured,
     )  # fmt: skip
-    view = make_view(len(prompt_ids))
+    view = make_view(len(prompt_ids), reasoning)
     return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, fmt)
 
 
@@ -117,9 +137,15 @@ class _ChatView:
     """Turns engine outputs into chat responses or stream chunks."""
 
     def __init__(
-        self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str, num_prompt: int
+        self,
+        ctx: ServingContext,
+        req: ChatCompletionRequest,
+        request_id: str,
+        num_prompt: int,
+        reasoning: ReasoningMode = NO_REASONING,
     ) -> None:
         self.ctx = ctx
+        self.reasoning = reasoning
         self.req = req
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt
@@ -143,7 +169,7 @@ class _ChatView:
         choices = []
         for index in range(self.n):
             out = finals[f"{self.request_id}-{index}"]
-            message = ToolCallReader(self.req).message(out.text)
+            message = ToolCallReader(self.req, self.reasoning.splitter()).message(out.text)
             choices.append(ChatChoice(
                 index=index,
                 message=message,
@@ -172,7 +198,7 @@ class _ChatView:
             role = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
             yield self._chunk([role])
         pending: dict[int, list[TokenLogprob]] = defaultdict(list)  # held back with the text
-        readers = [ToolCallReader(self.req) for _ in range(self.n)]
+        readers = [ToolCallReader(self.req, self.reasoning.splitter()) for _ in range(self.n)]
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
             index = choice_index(out.request_id)
@@ -181,7 +207,7 @@ class _ChatView:
             delta = reader.feed(out.new_text)
             if out.finished:
                 finals[out.request_id] = out
-                delta = _merge(delta, reader.finish())
+                delta = merge_deltas(delta, reader.finish())
             if not (delta or out.finished):
                 continue  # text held back (a stop string or a tool call may be starting)
             reason = finish_reason(out.finish_reason, reader.made_calls) if out.finished else None
@@ -194,13 +220,3 @@ class _ChatView:
             yield self._chunk([choice])
         if self.req.include_usage:
             yield self._chunk([], usage=self._usage(finals))
-
-
-def _merge(first: dict, then: dict) -> dict:
-    """Two deltas as one: their content joined, their tool calls in order."""
-    merged = dict(first)
-    if "content" in then:
-        merged["content"] = merged.get("content", "") + then["content"]
-    if "tool_calls" in then:
-        merged["tool_calls"] = merged.get("tool_calls", []) + then["tool_calls"]
-    return merged

@@ -118,8 +118,10 @@ def auto_constraint(
     or an answer of that format: an agent's structured final answer after its calls."""
     tags = [_call_tag(t) for t in tools]
     if answer is None:
+        # A reply may not write a tool result itself: small models, shown results in
+        # <tool_response> blocks, go on to invent the next one.
         form: dict[str, Any] = {"type": "triggered_tags", "triggers": [OPEN_TAG], "tags": tags,
-                                "stop_after_first": single}  # fmt: skip
+                                "stop_after_first": single, "excludes": [RESULT_OPEN]}  # fmt: skip
     else:
         calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                  "at_least_one": True, "stop_after_first": single}  # fmt: skip

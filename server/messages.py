@@ -12,7 +12,10 @@ content blocks, Anthropic's stop reasons and usage, its streaming events, and er
 
 `output_config.format` (a JSON schema) is chat's response_format. Sampling fields the
 current SDK no longer sends (temperature, top_p, top_k) are still read, e.g. from
-`extra_body`. Not served (a 400 naming it): image and document blocks, extended thinking.
+`extra_body`. A reasoning model's think block (server/reasoning.py) is a `thinking` block
+before the text; thinking blocks sent back in an assistant turn are taken and left out of
+the prompt. Not served (a 400 naming it): image and document blocks, the `thinking`
+request field's "enabled" (a budget).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from server.chat import chat_prompt_ids, serve_chat
 from server.engine_client import EngineStream
 from server.errors import bad_request
 from server.protocol import MAX_TOP_K, ChatCompletionRequest
+from server.reasoning import ReasoningMode
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -69,9 +73,20 @@ class ToolResultBlock(OpenAIBaseModel):
     is_error: bool | None = None
 
 
-# Tool results come in user turns, tool calls in assistant turns.
+class ThinkingBlockParam(OpenAIBaseModel):
+    """An earlier turn's thinking, sent back as Anthropic's SDK loop does: taken and left
+    out of the prompt (reasoning models' templates drop earlier turns' thinking too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking
+
+
+# Tool results come in user turns, tool calls (and thinking) in assistant turns.
 UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
-AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlockParam,
+                           Field(discriminator="type")]  # fmt: skip
 
 
 class UserMessage(OpenAIBaseModel):
@@ -228,14 +243,16 @@ def _chat_messages(message: UserMessage | AssistantMessage) -> list[dict[str, An
     return out
 
 
-def _assistant_message(blocks: list[TextBlock | ToolUseBlock]) -> dict[str, Any]:
+def _assistant_message(
+    blocks: list[TextBlock | ToolUseBlock | ThinkingBlockParam],
+) -> dict[str, Any]:
     text, calls = "", []
     for block in blocks:
         if isinstance(block, ToolUseBlock):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
-        else:
+        elif isinstance(block, TextBlock):
             text += block.text
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
@@ -287,8 +304,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     chat = chat_request(req)
     message_id = f"msg_{uuid.uuid4().hex}"
 
-    def view(num_prompt: int) -> _MessagesView:
-        return _MessagesView(ctx, chat, message_id, num_prompt)
+    def view(num_prompt: int, reasoning: ReasoningMode) -> _MessagesView:
+        return _MessagesView(ctx, chat, message_id, num_prompt, reasoning)
 
     return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, ANTHROPIC_STREAM)
 
@@ -322,9 +339,15 @@ class _MessagesView:
     """Engine output as a Message, or as Anthropic's stream of events."""
 
     def __init__(
-        self, ctx: ServingContext, chat: ChatCompletionRequest, message_id: str, num_prompt: int
+        self,
+        ctx: ServingContext,
+        chat: ChatCompletionRequest,
+        message_id: str,
+        num_prompt: int,
+        reasoning: ReasoningMode,
     ) -> None:
         self.chat = chat
+        self.reasoning = reasoning
         self.request_id = message_id
         self.num_prompt = num_prompt
         self.model = ctx.served_model_name
@@ -332,8 +355,10 @@ class _MessagesView:
 
     def response(self, finals: dict[str, RequestOutput]) -> MessageResponse:
         out = finals[f"{self.request_id}-0"]
-        message = ToolCallReader(self.chat).message(out.text)
+        message = ToolCallReader(self.chat, self.reasoning.splitter()).message(out.text)
         content: list[dict[str, Any]] = []
+        if message.reasoning_content is not None:  # a think block: Anthropic's thinking
+            content.append(_thinking(message.reasoning_content))
         if message.content:
             content.append({"type": "text", "text": message.content})
         for call in message.tool_calls or ():
@@ -346,7 +371,7 @@ class _MessagesView:
         )  # fmt: skip
 
     async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
-        reader = ToolCallReader(self.chat)
+        reader = ToolCallReader(self.chat, self.reasoning.splitter())
         blocks = _Blocks()
         started = False
         async for out in stream:
@@ -374,6 +399,11 @@ class _MessagesView:
                 yield named_event("message_stop", {"type": "message_stop"})
 
 
+def _thinking(text: str) -> dict[str, Any]:
+    # No signature: nothing here is signed; the field is there because clients read it.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _input(arguments: str) -> dict[str, Any]:
     """A call's arguments as the object Anthropic's `input` is ({} if cut short)."""
     try:
@@ -384,15 +414,21 @@ def _input(arguments: str) -> dict[str, Any]:
 
 
 class _Blocks:
-    """Chat deltas (content, tool-call pieces) as content block events: a block opens when
-    its kind of delta first arrives and closes when another kind (or the end) comes."""
+    """Chat deltas (reasoning, content, tool-call pieces) as content block events: a block
+    opens when its kind of delta first arrives and closes when another kind (or the end)
+    comes."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.kind: str | None = None  # "text" or "tool_use" while a block is open
+        self.kind: str | None = None  # "thinking", "text" or "tool_use" while one is open
 
     def events(self, delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
+        if delta.get("reasoning_content"):
+            if self.kind != "thinking":
+                out += self._open(_thinking(""))
+            out.append(self._delta({"type": "thinking_delta",
+                                    "thinking": delta["reasoning_content"]}))  # fmt: skip
         if delta.get("content"):
             if self.kind != "text":
                 out += self._open({"type": "text", "text": ""})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 # --------------------------------------------------------------------------- completions
 
@@ -87,7 +87,17 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A reasoning model's think block (server/reasoning.py); left out when there is none,
+    # so answers of other models keep OpenAI's exact shape.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):

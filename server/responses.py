@@ -10,16 +10,18 @@ items: messages, `function_call` items as an assistant turn's tool calls,
 tokens and cached prefix, same constrained tool calls. The answer is a Response: output
 items (`message` with `output_text`, `function_call`), `status` `completed` or
 `incomplete` (max_output_tokens), usage with cached tokens; streamed as the Responses
-events. With `store` (the default) the response and its conversation are kept in a
-bounded store (server/response_store.py) for `previous_response_id`, GET and DELETE.
+events (server/responses_items.py). A reasoning model's think block (server/reasoning.py)
+is a `reasoning` item before the message; reasoning items sent back in `input` are taken
+and left out of the prompt. With `store` (the default) the response and its conversation
+are kept in a bounded store (server/response_store.py) for `previous_response_id`, GET and
+DELETE.
 
 Not served, a 400 naming it: built-in tools (web search, file search...), reasoning
-items and reasoning effort, background mode, `truncation: auto`, image and file inputs.
+effort, background mode, `truncation: auto`, image and file inputs.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +36,7 @@ from server.chat import serve_chat
 from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningMode
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -41,6 +44,7 @@ from server.request_base import (
     OpenAIBaseModel,
     server_limit,
 )
+from server.responses_items import OutputItems, call_item, item_id, message_item, reasoning_item
 from server.serving import ServingContext, StreamFormat, as_is, named_event
 from server.tool_calls import ToolCallReader
 
@@ -79,7 +83,19 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     status: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningInputItem(OpenAIBaseModel):
+    """A reasoning item of an earlier turn, sent back as agents do: taken and left out of
+    the prompt (a model's chat template drops earlier turns' reasoning too)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -183,7 +199,7 @@ def conversation_of(req: ResponsesRequest, history: list[dict[str, Any]]) -> lis
                 messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", ()), call]}
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _text(item.output)})  # fmt: skip
     return messages
@@ -287,14 +303,10 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     chat = chat_request(req, conversation)
     response_id = f"resp_{uuid.uuid4().hex}"
 
-    def view(num_prompt: int) -> _ResponsesView:
-        return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation)
+    def view(num_prompt: int, reasoning: ReasoningMode) -> _ResponsesView:
+        return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation, reasoning)
 
     return await serve_chat(ctx, chat, response_id, "/v1/responses", view, raw, RESPONSES_STREAM)
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _turn(output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -307,24 +319,14 @@ def _turn(output: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}  # fmt: skip
-
-
-def _call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
-) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
-
-
 class _ResponsesView:
     """Engine output as a Response or as the Responses events; stored when asked."""
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
-                 response_id: str, num_prompt: int, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
+                 response_id: str, num_prompt: int, conversation: list[dict[str, Any]],
+                 reasoning: ReasoningMode) -> None:  # fmt: skip
         self.ctx = ctx
+        self.reasoning = reasoning
         self.req = req
         self.chat = chat
         self.request_id = response_id
@@ -369,13 +371,15 @@ class _ResponsesView:
 
     def response(self, finals: dict[str, RequestOutput]) -> ResponseObject:
         out = finals[f"{self.request_id}-0"]
-        message = ToolCallReader(self.chat).message(out.text)
+        message = ToolCallReader(self.chat, self.reasoning.splitter()).message(out.text)
         status = "incomplete" if out.finish_reason == "length" else "completed"
         output = []
+        if message.reasoning_content is not None:  # a think block: a reasoning item
+            output.append(reasoning_item(item_id("rs"), message.reasoning_content, "completed"))
         if message.content:
-            output.append(_message_item(_item_id("msg"), message.content, status))
+            output.append(message_item(item_id("msg"), message.content, status))
         for call in message.tool_calls or ():
-            output.append(_call_item(_item_id("fc"), call.id, call.function.name,
+            output.append(call_item(item_id("fc"), call.id, call.function.name,
                                      call.function.arguments, "completed"))  # fmt: skip
         return self._finish(out, output)
 
@@ -387,8 +391,8 @@ class _ResponsesView:
         started = self._response("in_progress", []).model_dump()
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
-        reader = ToolCallReader(self.chat)
-        items = _Items(self._event)
+        reader = ToolCallReader(self.chat, self.reasoning.splitter())
+        items = OutputItems(self._event)
         async for out in stream:
             for chunk in items.events(reader.feed(out.new_text)):
                 yield chunk
@@ -402,72 +406,6 @@ class _ResponsesView:
                     "response.completed" if final.status == "completed" else "response.incomplete"
                 )
                 yield self._event(kind, response=final.model_dump())
-
-
-class _Items:
-    """Chat deltas (content, tool-call pieces) as output item events: an item opens when
-    its kind of delta first arrives and closes when another kind (or the end) comes."""
-
-    def __init__(self, event: Any) -> None:
-        self.event = event
-        self.output: list[dict[str, Any]] = []  # the items, completed as they close
-        self.open: dict[str, Any] | None = None
-
-    def events(self, delta: dict[str, Any]) -> list[str]:
-        out: list[str] = []
-        if delta.get("content"):
-            if self.open is None or self.open["type"] != "message":
-                out += self._start(_message_item(_item_id("msg"), "", "in_progress"))
-                out.append(self._part("response.content_part.added", ""))
-            self.open["content"][0]["text"] += delta["content"]
-            out.append(self.event("response.output_text.delta", item_id=self.open["id"],
-                                  output_index=len(self.output), content_index=0,
-                                  delta=delta["content"], logprobs=[]))  # fmt: skip
-        for call in delta.get("tool_calls", ()):
-            if call.get("id"):  # a new call: its own item
-                out += self._start(_call_item(_item_id("fc"), call["id"],
-                                              call["function"]["name"], "", "in_progress"))  # fmt: skip
-            arguments = call.get("function", {}).get("arguments")
-            if arguments and self.open is not None:
-                self.open["arguments"] += arguments
-                out.append(self.event("response.function_call_arguments.delta",
-                                      item_id=self.open["id"], output_index=len(self.output),
-                                      delta=arguments))  # fmt: skip
-        return out
-
-    def close(self) -> list[str]:
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        index = len(self.output)
-        item["status"] = "completed"
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            out = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                              content_index=0, text=text, logprobs=[])]  # fmt: skip
-            self.open = item
-            out.append(self._part("response.content_part.done", text))
-            self.open = None
-        else:
-            out = [self.event("response.function_call_arguments.done", item_id=item["id"],
-                              output_index=index, name=item["name"],
-                              arguments=item["arguments"])]  # fmt: skip
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
-        self.output.append(item)
-        return out
-
-    def _start(self, item: dict[str, Any]) -> list[str]:
-        out = self.close()
-        self.open = item
-        added = json.loads(json.dumps(item))  # as it was when added, not as it grows
-        return [*out, self.event("response.output_item.added", output_index=len(self.output),
-                                 item=added)]  # fmt: skip
-
-    def _part(self, kind: str, text: str) -> str:
-        assert self.open is not None
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return self.event(kind, item_id=self.open["id"], output_index=len(self.output),
-                          content_index=0, part=part)  # fmt: skip
 
 
 def _error_event(error: OpenAIError) -> str:

@@ -25,6 +25,7 @@ from server.limits import (
     ConnectionLimits,
 )
 from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.reasoning import REASONING_PARSERS
 from server.serving import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 
@@ -56,7 +57,8 @@ POSITIVE_SECONDS = Kind("positive_float", "a number of seconds > 0", _positive_s
 TEXTS = Kind("append", "a tuple of strings", _texts)  # a repeatable flag: a text a use
 # The keyword arguments of server/app.py's `build_app` that are options here.
 APP_OPTIONS = ("served_model_name", "api_key", "max_waiting_requests", "max_request_body_bytes",
-               "max_seqs_per_request", "queue_timeout", "grammar_compile_timeout")  # fmt: skip
+               "max_seqs_per_request", "queue_timeout", "grammar_compile_timeout",
+               "reasoning_parser")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,13 @@ class ServerConfig:
         help="seconds an output constraint (JSON schema, grammar, regex, tool calls) may "
         "take to compile, else 400 grammar_compile_timeout, and may wait for the compile "
         "thread, else 503 + Retry-After (default %(default)s)",
+    )
+    reasoning_parser: str = flag(
+        "auto",
+        choices=REASONING_PARSERS,
+        help="separate a reasoning model's <think> block from its answer (reasoning_content, "
+        "reasoning items, thinking blocks): think, none, or auto (think where the chat "
+        "template names <think>; default %(default)s)",
     )
     drain_timeout: float = flag(
         DEFAULT_DRAIN_TIMEOUT_S,

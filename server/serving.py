@@ -70,6 +70,7 @@ class ServingContext:
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     queue_timeout: float | None = None  # seconds; a request's own queue_timeout wins
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # None: no limit
+    reasoning_parser: str = "auto"  # server/reasoning.py's REASONING_PARSERS
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 

@@ -11,7 +11,8 @@
   that text. A chat template that declares tool support shows the model its tools and
   nothing is constrained; on any other template the generic format (server/generic_tools.py)
   describes them in the system turn and a structural tag keeps each call well-formed.
-* "none": tools are ignored (not even shown to the model).
+* "none": no calls are read from the output; a template that declares tool support is
+  still shown the tools (context for earlier calls), the generic format leaves them out.
 
 Earlier calls and tool results in the conversation render through the template where it
 declares tool support, else through the generic format, whatever the mode.
@@ -33,6 +34,7 @@ from server.protocol import (
     ChatTool,
     NamedToolChoice,
 )
+from server.reasoning import ReasoningSplitter, split_reasoning
 from server.structured_outputs import at_most_one_constraint, request_constraint
 from server.tool_parsers import (
     CallArrayStream,
@@ -122,11 +124,15 @@ def template_input(
     req: ChatCompletionRequest, messages: list[dict[str, Any]], chat_template: Any
 ) -> tuple[list[dict[str, Any]], list[dict] | None]:
     """The messages and tools the chat template is given: as they are where the template
-    declares tool support, else written in the generic format (tools passed as None)."""
-    tools = template_tools(req)
+    declares tool support, else written in the generic format (tools passed as None).
+
+    A template that declares tool support is shown the tools under tool_choice "none" too,
+    as context for the calls earlier in the conversation (the answer is read as text
+    only); the generic format leaves them out then, since its description invites calls.
+    """
     if declares_tools(chat_template):
-        return messages, tools
-    return generic_conversation(messages, tools), None
+        return messages, tool_dicts(req) or None
+    return generic_conversation(messages, template_tools(req)), None
 
 
 def _out(call: ParsedCall) -> ToolCall:
@@ -139,9 +145,13 @@ def _delta(index: int, call: ParsedCall) -> dict[str, Any]:
 
 
 class ToolCallReader:
-    """One choice's output read as a message: content and tool calls, whole or streamed."""
+    """One choice's output read as a message: reasoning (with a `reasoning` splitter,
+    server/reasoning.py), content and tool calls, whole or streamed."""
 
-    def __init__(self, req: ChatCompletionRequest) -> None:
+    def __init__(
+        self, req: ChatCompletionRequest, reasoning: ReasoningSplitter | None = None
+    ) -> None:
+        self._reasoning = reasoning
         self.mode = req.tool_mode
         choice = req.tool_choice
         self._name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
@@ -151,6 +161,29 @@ class ToolCallReader:
         self._array = CallArrayStream() if self.mode == "required" else None
 
     def message(self, text: str) -> ChatMessage:
+        if self._reasoning is None:
+            return self._message(text)
+        reasoning, text = split_reasoning(text, self._reasoning)
+        message = self._message(text)
+        message.reasoning_content = reasoning
+        return message
+
+    def feed(self, text: str) -> dict[str, Any]:
+        """The delta for newly generated text ({} when nothing can be sent yet)."""
+        if self._reasoning is None:
+            return self._feed(text)
+        reasoning, text = self._reasoning.feed(text)
+        return _with_reasoning(reasoning, self._feed(text) if text else {})
+
+    def finish(self) -> dict[str, Any]:
+        """The delta for whatever was held back, once the output is complete."""
+        if self._reasoning is None:
+            return self._finish()
+        reasoning, text = self._reasoning.finish()
+        delta = self._feed(text) if text else {}
+        return _with_reasoning(reasoning, merge_deltas(delta, self._finish()))
+
+    def _message(self, text: str) -> ChatMessage:
         if self.mode == "none":
             return ChatMessage(content=text)
         if self.mode == "named":
@@ -163,8 +196,7 @@ class ToolCallReader:
         content, calls = parse_hermes(text)
         return ChatMessage(content=content, tool_calls=[_out(c) for c in calls])
 
-    def feed(self, text: str) -> dict[str, Any]:
-        """The delta for newly generated text ({} when nothing can be sent yet)."""
+    def _feed(self, text: str) -> dict[str, Any]:
         if self.mode == "none":
             return {"content": text} if text else {}
         if self.mode == "named":
@@ -174,8 +206,7 @@ class ToolCallReader:
         assert self._hermes is not None
         return self._mixed_delta(*self._hermes.feed(text))
 
-    def finish(self) -> dict[str, Any]:
-        """The delta for whatever was held back, once the output is complete."""
+    def _finish(self) -> dict[str, Any]:
         if self._hermes is not None:
             return self._mixed_delta(*self._hermes.finish())
         if self.mode == "named" and not self._num_calls:
@@ -203,6 +234,21 @@ class ToolCallReader:
         if content:
             delta["content"] = content
         return delta
+
+
+def _with_reasoning(reasoning: str, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"reasoning_content": reasoning, **delta} if reasoning else delta
+
+
+def merge_deltas(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas as one: their reasoning and content joined, their tool calls in order."""
+    merged = dict(first)
+    for key in ("reasoning_content", "content"):
+        if key in then:
+            merged[key] = merged.get(key, "") + then[key]
+    if "tool_calls" in then:
+        merged["tool_calls"] = merged.get("tool_calls", []) + then["tool_calls"]
+    return merged
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:

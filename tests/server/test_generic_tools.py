@@ -91,6 +91,7 @@ def test_auto_lets_the_model_reply_or_call_but_keeps_calls_well_formed(grammars)
     assert _accepts(grammars, spec, "It is sunny in Paris, as far as I know.")
     assert _accepts(grammars, spec, CALL)
     assert _accepts(grammars, spec, "Let me look.\n" + CALL + "\n" + call_block("now", {}))
+    assert not _accepts_prefix(grammars, spec, "Here: <tool_response>")  # a made-up result
     for broken in ('<tool_call>\n{"name": "nope"',  # no such tool
                    '<tool_call>\n{"name": "get_weather", "arguments": {"town": ',  # not its schema
                    '<tool_call> {"name"'):  # not the wrapper  # fmt: skip

@@ -446,3 +446,15 @@ def test_auto_shows_the_template_the_tools_and_the_earlier_calls(hermes_server):
                                              add_generation_prompt=True, tokenize=False)  # fmt: skip
     assert '"name": "get_weather"' in expected and "18 degrees" in expected
     assert r.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_none_still_shows_a_tool_template_its_tools_but_reads_no_calls(hermes_server):
+    client = hermes_server.openai()
+    r = client.chat.completions.create(model="tiny-test-model", messages=ASK, tools=TOOLS,
+                                       tool_choice="none", max_tokens=80,
+                                       extra_body={"guided_choice": [CALL_TEXT]})  # fmt: skip
+    tokenizer = hermes_server.engine.core.tokenizer
+    expected = tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    assert r.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+    assert r.choices[0].message.content == CALL_TEXT and not r.choices[0].message.tool_calls
