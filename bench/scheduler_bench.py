@@ -115,7 +115,7 @@ def run_once(args: argparse.Namespace, scenario: Scenario, hash_algo: str) -> Ru
             t0 = clock()
             out = sched.schedule()
             t1 = clock()
-            sampled = {s.request_id: fake_token(s.request) for s in out.scheduled if s.sample}
+            sampled = {s.request_id: [fake_token(s.request)] for s in out.scheduled if s.sample}
             t2 = clock()
             sched.update_from_output(out, sampled)
             t3 = clock()

@@ -253,6 +253,18 @@ class EngineConfig:
         "(torch.distributed: gloo on CPU, NCCL on CUDA); it must "
         "divide the heads (default 1)",
     )
+    # Speculative decoding without a draft model (engine/speculative/): each decoding
+    # request may verify draft tokens taken from what it has seen, several tokens a step.
+    speculative: str = flag(
+        "off",
+        choices=("ngram", "off"),
+        help="ngram: draft tokens from the request's own prompt and output (prompt "
+        "lookup), verified in one step; the output is unchanged, repetitive answers come "
+        "faster (default off)",
+    )
+    num_speculative_tokens: int = flag(
+        8, POSITIVE_INT, help="the most draft tokens a request verifies in one step (default 8)"
+    )
 
     def __post_init__(self) -> None:
         self.validate()

@@ -34,10 +34,11 @@ from engine.execution_plan import ExecutionPlan
 from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
 from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer
 from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, SampledTokens
 from engine.outputs import EngineCoreOutput
 from engine.resolved_config import ResolvedConfig
 from engine.sampling_metadata import make_generator
+from engine.speculative import Speculator
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.tp_worker import start_workers, stop_workers, worker_step
@@ -49,6 +50,10 @@ if TYPE_CHECKING:  # types only: grammar_cache imports xgrammar, which loads on 
     from scheduler import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+# Speculative decoding's row budget per step (running requests plus their drafts): past
+# it a step is compute-bound on CPU and drafts would slow it (engine/speculative/).
+SPEC_MAX_ROWS = 16
 
 
 class EngineCore:
@@ -94,6 +99,11 @@ class EngineCore:
             config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
+        self.speculator = (
+            Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS)
+            if engine.speculative == "ngram"
+            else None
+        )
         # kv_blocks is published whenever the pool changes (steps, aborts, a cache reset), so
         # /metrics can read the latest from another thread (server/metrics.py).
         self.stats = EngineStats(kv_blocks=self.kv_cache_manager.block_counts())
@@ -347,45 +357,70 @@ class EngineCore:
             if self._tp_workers:  # every rank runs the same step
                 broadcast_object(worker_step(sched_out))
             sampled = self.runner.execute(sched_out)
+            # Output lengths before the update: a verification may add several tokens.
+            verifying = {s.request_id: (s.request, s.request.num_output_tokens, s.num_draft_tokens)
+                         for s in sched_out.scheduled if s.num_draft_tokens}  # fmt: skip
             updated = self.scheduler.update_from_output(
-                sched_out, {rid: s.token_id for rid, s in sampled.items()}
+                sched_out, {rid: s.token_ids for rid, s in sampled.items()}
             )
         except Exception as exc:
             ids = [s.request_id for s in sched_out.scheduled]
             self.scheduler.uncache_failed_step(sched_out)
             self.abort_requests(ids)
             raise StepError(ids, exc) from exc
-        outputs = [
-            EngineCoreOutput(
-                r.request_id,
-                [r.output_token_ids[-1]],
-                r.finish_reason,
-                r.stop_reason,
-                _one(sampled[r.request_id].logprob),
-                max(r.num_cached_tokens, 0),
-            )
-            for r in updated
-        ]
+        num_new = self._num_new_tokens(verifying, sampled)
+        outputs = [self._output(r, sampled[r.request_id], num_new.get(r.request_id, 1))
+                   for r in updated]  # fmt: skip
         outputs += [
             EngineCoreOutput(r.request_id, [], r.finish_reason) for r in sched_out.timed_out
         ]
-        self._update_stats(sched_out, updated)
+        self._update_stats(sched_out, sum(len(o.new_token_ids) for o in outputs), updated)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
 
-    def _update_stats(self, sched_out: SchedulerOutput, updated: list[Request]) -> None:
+    def _num_new_tokens(self, verifying: dict, sampled: dict) -> dict[str, int]:
+        """Tokens each verifying request gained (a stop inside its kept drafts ends it
+        early), with the verification's outcome recorded for the speculator."""
+        num_new = {}
+        for request_id, (request, before, num_drafts) in verifying.items():
+            got = sampled.get(request_id)
+            if got is None:  # aborted since it was scheduled
+                continue
+            num_new[request_id] = request.num_output_tokens - before
+            if self.speculator is not None:
+                self.speculator.record(request, num_drafts, len(got.token_ids))
+        return num_new
+
+    @staticmethod
+    def _output(request: Request, sampled: SampledTokens, num_new: int) -> EngineCoreOutput:
+        logprobs = sampled.logprobs
+        return EngineCoreOutput(
+            request.request_id,
+            request.output_token_ids[-num_new:],
+            request.finish_reason,
+            request.stop_reason,
+            None if logprobs is None else logprobs[:num_new],
+            max(request.num_cached_tokens, 0),
+        )
+
+    def _update_stats(
+        self, sched_out: SchedulerOutput, num_new_tokens: int, updated: list[Request]
+    ) -> None:
         s, kv = self.refresh_stats(), self.kv_cache_manager
         s.tier_hits = kv.stats.tier_hits
         if kv.tier is not None:
             s.tier_blocks, s.tier_num_blocks = len(kv.tier), kv.tier.num_slots
         s.num_preemptions = self.scheduler.num_preemptions
-        s.generation_tokens += len(updated)
+        s.generation_tokens += num_new_tokens
         # A request's first token ends its prefill: its whole prompt counts once, however
         # much came from the prefix cache (a preempted request recomputes without recounting).
         s.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            s.spec_num_drafts, s.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            s.spec_num_accepted_tokens = spec.num_accepted_tokens
+            s.spec_accepted_per_pos = tuple(spec.accepted_per_pos)
         s.num_steps += 1
         s.last_step_tokens = sched_out.num_batched_tokens
         s.last_step_seqs = len(sched_out.scheduled)
-
-
-def _one(item: Any) -> list[Any] | None:
-    return None if item is None else [item]

@@ -4,12 +4,17 @@ The scheduler speaks in token ids and block ids; the runner flattens the
 step's requests into one token batch (no padding), builds the paged-attention
 metadata, runs the model, and samples only the positions whose next token is
 wanted: each decoding request's last token and the last prompt token of a
-prefill that completes this step.
+prefill that completes this step. A request with k draft tokens (speculative decoding)
+is 1 + k decode rows over its block table, row i seeing the cache up to its own
+position: every backend, the native decode stack included, runs a verification as it
+runs decodes. All 1 + k rows are sampled as decodes would be, and `accept_drafts`
+keeps the drafts the samples agree with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,14 +24,15 @@ from engine.decode_stack import DecodeStack
 from engine.device import uses_pinned_memory
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
+from engine.speculative.verify import accept_drafts, rewind
 from engine.structured_output import StructuredOutputManager
 from scheduler import SchedulerOutput
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprob: TokenLogprob | None  # only when the request asked for logprobs
+class SampledTokens:
+    token_ids: list[int]  # one, or with draft tokens the kept ones and one more
+    logprobs: list[TokenLogprob] | None  # one per token, when the request asked for them
 
 
 class ModelRunner:
@@ -61,7 +67,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
         if not out.scheduled:
             return {}
         sampled = [s for s in out.scheduled if s.sample]
@@ -72,7 +78,7 @@ class ModelRunner:
         return self._sample(sampled, logits) if self.samples else {}
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """The hidden states of the step's sampled positions: each sampled request's last."""
+        """The hidden states of the step's sampled rows (`_prepare_inputs`), in order."""
         graphs = self.graphs
         hidden = graphs.run(out.scheduled) if graphs is not None else None
         if hidden is not None:  # a decode-only step, replayed: row r is request r
@@ -81,44 +87,62 @@ class ModelRunner:
                 return hidden
             return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         # Eager: prefills, large batches, or no graphs; the native stack or the model's forward.
-        input_ids, meta = self._prepare_inputs(out)
+        input_ids, meta, sample_rows = self._prepare_inputs(out)
         # The step's host-side attention planning, once: the layers then only run tensor work.
         self.model.attn_backend.prepare(meta)
         stack = self.decode_stack
         hidden = stack.run(input_ids, meta.positions, self.kv_caches, meta) if stack else None
         if hidden is None:
             hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
-        return hidden[self._sample_indices(out, meta)]
+        return hidden[torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)]
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
-        scheduled = out.scheduled
-        query_lens = [len(s.token_ids) for s in scheduled]
-        seq_lens = [s.num_computed_tokens + q for s, q in zip(scheduled, query_lens, strict=True)]
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, self.device
-        )
+    def _prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+        """The step's token ids, its attention metadata, and the rows to sample: each
+        sampled request's last, or all 1 + k of a request verifying k drafts."""
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[tuple[int, ...]] = []
+        sample_rows: list[int] = []
+        row = 0
+        for s in out.scheduled:
+            q, start = len(s.token_ids), s.num_computed_tokens
+            if s.num_draft_tokens:  # a decode row per position, each up to its own
+                query_lens += [1] * q
+                seq_lens += range(start + 1, start + q + 1)
+                tables += [s.block_ids] * q
+                sample_rows += range(row, row + q)
+            else:
+                query_lens.append(q)
+                seq_lens.append(start + q)
+                tables.append(s.block_ids)
+                if s.sample:
+                    sample_rows.append(row + q - 1)
+            row += q
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         host = self._host_ids[: meta.num_tokens]
-        host.numpy()[:] = [t for s in scheduled for t in s.token_ids]
-        return host.to(self.device, non_blocking=True), meta
+        host.numpy()[:] = [t for s in out.scheduled for t in s.token_ids]
+        return host.to(self.device, non_blocking=True), meta, sample_rows
 
-    @staticmethod
-    def _sample_indices(out: SchedulerOutput, meta: AttentionMetadata) -> torch.Tensor:
-        """Each sampled request's last position in the flat batch."""
-        ends = meta.query_start_loc_list[1:]
-        rows = [end - 1 for end, s in zip(ends, out.scheduled, strict=True) if s.sample]
-        return torch.tensor(rows, dtype=torch.long, device=meta.slot_mapping.device)
-
-    def _sample(self, sampled: list, logits: torch.Tensor) -> dict[str, SampledToken]:
-        requests = [s.request for s in sampled]
+    def _sample(self, sampled: list, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """Sample each row (a request's, or each of a verifying request's 1 + k rows with
+        the drafts before it as its output so far), then keep the agreeing drafts."""
+        rows = [_Row(s.request, s.token_ids[len(s.token_ids) - s.num_draft_tokens :], i)
+                for s in sampled for i in range(s.num_draft_tokens + 1)]  # fmt: skip
+        # A seeded, sampling request's generator draws once per row; rewound below to
+        # once per token kept.
+        states = {id(s.request): s.request.generator.get_state() for s in sampled
+                  if s.num_draft_tokens and _draws(s.request)}  # fmt: skip
+        requests = [r.request for r in rows]
         params = [r.sampling_params for r in requests]
         # A seeded request's own generator (`Request.generator`), kept for its whole life,
         # so its tokens do not depend on which other requests share the batch.
-        generators = [r.generator for r in requests]
         meta = SamplingMetadata.build(
             params,
             [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            generators,
+            [r.output_so_far() for r in rows],
+            [r.generator for r in requests],
             [r.eos_token_ids for r in requests],
             self.device,
             grammar=self.structured_outputs.bitmask(requests) if self.structured_outputs else None,
@@ -126,7 +150,34 @@ class ModelRunner:
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()
         logprobs = to_token_logprobs(result, [p.logprobs for p in params])
-        return {
-            r.request_id: SampledToken(tok, lp)
-            for r, tok, lp in zip(requests, token_ids, logprobs, strict=True)
-        }
+        tokens: dict[str, SampledTokens] = {}
+        row = 0
+        for s in sampled:
+            request, n = s.request, s.num_draft_tokens + 1
+            kept = accept_drafts(token_ids[row : row + n], rows[row].drafts) if n > 1 else [
+                token_ids[row]]  # fmt: skip
+            if id(request) in states:
+                rewind(request.generator, states[id(request)], len(kept))
+            lps = logprobs[row : row + len(kept)]
+            tokens[request.request_id] = SampledTokens(kept, None if lps[0] is None else lps)
+            row += n
+        return tokens
+
+
+@dataclass(slots=True)
+class _Row:
+    """One sampled row: a request's next token, or one position of a verification."""
+
+    request: Any
+    drafts: list[int]  # the request's draft tokens this step ([] without)
+    position: int  # which of its 1 + k positions: the drafts before it are its context
+
+    def output_so_far(self) -> list[int]:
+        """The output as this position sees it (penalties and min_tokens count it)."""
+        output = self.request.output_token_ids
+        return output + self.drafts[: self.position] if self.position else output
+
+
+def _draws(request: Any) -> bool:
+    """True when the sampler draws from the request's own generator (seeded, not greedy)."""
+    return request.generator is not None and not request.sampling_params.greedy

@@ -96,8 +96,10 @@ class OutputProcessor(Generic[C]):
         stop_token = out.stop_reason is not None
         new_text = ""
         stopped_here = False
-        for token_id in out.new_token_ids:
-            text, hit_stop = detok.add_token(token_id, is_stop_token=stop_token)
+        last = len(out.new_token_ids) - 1
+        for i, token_id in enumerate(out.new_token_ids):
+            # Only a step's last token can be the one the core stopped on.
+            text, hit_stop = detok.add_token(token_id, is_stop_token=stop_token and i == last)
             new_text += text
             # A stop string ends the request, unless the core ended it on this token for
             # length (a completed grammar does not stop it: the stop string's cut wins).

@@ -38,7 +38,9 @@ class EngineCoreOutput:
     output processor detokenizes, applies stop strings and accumulates logprobs)."""
 
     request_id: str
-    new_token_ids: list[int]  # the token sampled this step ([] for a queue timeout)
+    # The tokens this step added: one, or with speculative decoding the drafts kept and
+    # one more ([] for a queue timeout).
+    new_token_ids: list[int]
     # "stop" | "length" | "abort" | "queue_timeout" once the core finished it, else None
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it (its text is left out)

@@ -34,6 +34,7 @@ from engine.sampling_metadata import (
 
 __all__ = [
     "Sampler",
+    "draw_uniform",
     "SamplerOutput",
     "SamplingMetadata",
     "make_generator",
@@ -222,8 +223,14 @@ def sample(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     # (An exponential race would need V random numbers per row: ~10x the cost on CPU.)
     uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
     for row, generator in random.generators.items():
-        uniform[row] = torch.rand((), dtype=torch.float64, device=probs.device, generator=generator)
+        uniform[row] = draw_uniform(generator)
     return draw_from(probs, uniform)
+
+
+def draw_uniform(generator: torch.Generator) -> torch.Tensor:
+    """A seeded row's one number per token: [0, 1) float64 on the generator's device.
+    (Speculative decoding rewinds a generator by redrawing these, so the two must agree.)"""
+    return torch.rand((), dtype=torch.float64, device=generator.device, generator=generator)
 
 
 # Tokens per chunk of the two-level inverse CDF below.

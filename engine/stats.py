@@ -27,6 +27,13 @@ class EngineStats:
     # counted once per request as vLLM counts them; the hits have their own counters.
     prompt_tokens: int = 0
     generation_tokens: int = 0  # cumulative sampled tokens
+    # Speculative decoding (cumulative, vLLM's spec_decode_* counters): verifications (a
+    # request's step with drafts), draft tokens verified, drafts kept, and kept per
+    # draft position (a tuple, replaced whole).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     num_steps: int = 0
     last_step_tokens: int = 0  # tokens in the last step's batch
     last_step_seqs: int = 0  # requests in the last step's batch

@@ -71,6 +71,10 @@ class WorkerRequest:
     num_computed_tokens: int
     new_block_ids: tuple[int, ...]  # appended to the rank's copy of its block table
     sample: bool
+    # The table's length after this step: a speculative step's rejected tail was freed
+    # (`KVCacheManager.trim`), so the rank's copy is cut to this before the new blocks.
+    num_blocks: int
+    num_draft_tokens: int
 
 
 @dataclass(slots=True)
@@ -95,6 +99,8 @@ def worker_step(out: SchedulerOutput) -> WorkerStep:
             s.num_computed_tokens,
             s.block_ids[len(s.block_ids) - s.num_new_blocks :],
             s.sample,
+            len(s.block_ids),
+            s.num_draft_tokens,
         )
         for s in out.scheduled
     ]
@@ -117,12 +123,14 @@ class BlockTables:
             tables.pop(request_id, None)
         scheduled = []
         for r in step.requests:
-            table = tables[r.request_id] = tables.get(r.request_id, ()) + r.new_block_ids
+            kept = tables.get(r.request_id, ())[: r.num_blocks - len(r.new_block_ids)]
+            table = tables[r.request_id] = kept + r.new_block_ids
             scheduled.append(
                 ScheduledRequest(
-                    None, r.request_id, r.token_ids, r.num_computed_tokens, table, r.sample
+                    None, r.request_id, r.token_ids, r.num_computed_tokens, table, r.sample,
+                    num_draft_tokens=r.num_draft_tokens,
                 )
-            )
+            )  # fmt: skip
         return SchedulerOutput(scheduled, num_batched_tokens=step.num_batched_tokens)
 
 

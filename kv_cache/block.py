@@ -92,6 +92,19 @@ class FreeBlockQueue:
         tail.prev_free = block
         self._num_free += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put a block at the head: the next one popped (an empty block, worth nothing)."""
+        if block.prev_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        head = self._head
+        first = head.next_free
+        assert first is not None
+        head.next_free = block
+        block.prev_free = head
+        block.next_free = first
+        first.prev_free = block
+        self._num_free += 1
+
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:

@@ -180,6 +180,17 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.num_cached_free += 1
 
+    def free_unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Give back blocks their only holder allocated but kept nothing in (a speculative
+        step's rejected tail): to the free head, so the next allocation takes them
+        instead of evicting a cached block."""
+        appendleft = self.free_block_queue.appendleft
+        for block in blocks:
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise ValueError(f"block {block.block_id} is shared or cached: not unwritten")
+            block.ref_cnt = 0
+            appendleft(block)
+
     def cache_full_blocks(
         self,
         block_ids: Sequence[int],

@@ -11,6 +11,9 @@ The scheduler's calls, per step:
   n + num_new_tokens.
 - running request: `allocate_slots(req, num_new_tokens)` (decode: 1, after
   the sampled token was appended to all_token_ids).
+- speculative decode: `allocate_slots(req, 1 + k)` for the last token and k draft
+  tokens (not in all_token_ids, so never hashed); after verification the caller sets
+  num_computed_tokens to what was kept and calls `trim(req)` to free the rejected tail.
 - request leaves (finished, aborted, preempted): `free(req)`. Call it for a
   waiting request that was looked up too: the manager keeps its block hashes
   between the lookup and the allocation (so a request that keeps failing to
@@ -339,6 +342,21 @@ class KVCacheManager:
         if state is not None and state.block_ids:
             blocks = self.block_pool.blocks
             self.block_pool.free_blocks([blocks[i] for i in reversed(state.block_ids)])
+
+    def trim(self, req: RequestLike) -> int:
+        """Free the blocks past the ones req.num_computed_tokens need: those a speculative
+        step allocated for draft tokens that were rejected. Returns how many were freed."""
+        state = self._requests.get(req.request_id)
+        if state is None:
+            return 0
+        keep = -(-req.num_computed_tokens // self.block_size)
+        extra = state.block_ids[keep:]
+        if not extra:
+            return 0
+        state.block_ids = state.block_ids[:keep]
+        blocks = self.block_pool.blocks
+        self.block_pool.free_unwritten([blocks[i] for i in reversed(extra)])
+        return len(extra)
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
         """The request's block table (never mutated, safe to keep); () for an unknown request."""

@@ -23,6 +23,10 @@ class ScheduledRequest:
     # How many of block_ids (the last ones) this step added: the whole table when the
     # request was admitted this step. Tensor parallelism sends the other ranks only these.
     num_new_blocks: int = 0
+    # Speculative decoding: the last this many of token_ids are draft tokens (past the
+    # end of all_token_ids). The runner samples each of the 1 + k positions and keeps
+    # the drafts its samples agree with (plus one token of its own).
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -70,6 +70,8 @@ class Request:
         "stop_reason",
         "generator",
         "grammar",
+        "spec_token_ids",
+        "spec",
     )
 
     def __init__(
@@ -123,6 +125,11 @@ class Request:
         # depend on the batch), and the grammar matcher of a constrained one.
         self.generator: Any = None
         self.grammar: Grammar | None = None
+        # Speculative decoding: the draft tokens proposed for the next step (the scheduler
+        # schedules them after the last token and clears the list), and the engine's
+        # per-request drafting state (its acceptance so far).
+        self.spec_token_ids: list[int] = []
+        self.spec: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

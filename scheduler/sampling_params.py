@@ -36,6 +36,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The output must match this (a JSON schema, a regex, ...); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # False: never verify draft tokens for this request (speculative decoding, where the
+    # server runs it; the output is the same either way, only its speed differs).
+    speculative: bool = True
 
     # The sampler divides or multiplies float32 logits by the penalty: far outside this
     # range a logit overflows to inf (1e-300 is 0 in float32) and sampling returns garbage,

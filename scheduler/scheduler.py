@@ -229,9 +229,18 @@ class Scheduler:
             start = request.num_computed_tokens
             # 1 in decode (the last sampled token); the rest of the prompt in chunked prefill.
             num_new = num_tokens - start
+            drafts = request.spec_token_ids
+            if drafts:  # speculative decoding: the drafts ride after the last token
+                request.spec_token_ids = []
+                drafts = drafts[: self._draft_room(request, budget)] if num_new == 1 else []
+                num_new += len(drafts)
             if num_new > budget:
                 num_new = budget
             new_blocks = allocate(request, num_new)
+            if new_blocks is None and drafts:  # memory is short: drop the drafts first
+                num_new -= len(drafts)
+                drafts = []
+                new_blocks = allocate(request, num_new)
             while new_blocks is None:
                 # Victims come from the part this loop has not reached yet, so nothing
                 # already scheduled this step loses its blocks.
@@ -248,16 +257,28 @@ class Scheduler:
                 make(
                     request,
                     request_id,
-                    all_ids[start:end],
+                    all_ids[start:end] + drafts if drafts else all_ids[start:end],
                     start,
                     block_table(request_id),
-                    end == num_tokens,
+                    end >= num_tokens,
                     len(new_blocks),
+                    len(drafts),
                 )
             )
             budget -= num_new
             index += 1
         return budget
+
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """How many draft tokens a decoding request may verify this step: within the step's
+        budget, and no more than the tokens it may still emit (each draft kept is an output
+        token, and one more comes with them), so it never outgrows the blocks it was
+        admitted for."""
+        max_len = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens,
+            self.config.max_model_len,
+        )
+        return max(min(budget - 1, max_len - len(request.all_token_ids) - 1), 0)
 
     def _pop_victim(self, running: list[Request], index: int) -> Request:
         """Take the request to preempt out of `running[index:]` (index: the one asking for
@@ -370,21 +391,28 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ update
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token and apply the stop rules: eos and stop token ids,
-        max_tokens, max_model_len, and a grammar the token completed. This is the one
-        place a request finishes on its own (from outside: `finish_requests`, aborts).
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
+        """Append the sampled tokens and apply the stop rules after each: eos and stop
+        token ids, max_tokens, max_model_len, and a grammar the token completed. This is
+        the one place a request finishes on its own (from outside: `finish_requests`,
+        aborts).
 
-        `sampled` maps request id -> token for every scheduled request with
-        `sample=True` (requests finished since schedule(), e.g. aborted, are
-        skipped). Finished requests free their blocks now and leave `running`.
-        Returns the requests that got a token, finished ones included.
+        `sampled` maps request id -> its new tokens for every scheduled request with
+        `sample=True` (requests finished since schedule(), e.g. aborted, are skipped):
+        one token, or with k draft tokens scheduled, the drafts the runner kept and one
+        more (1 to k + 1). A token that finishes the request drops the ones after it.
+        The KV of rejected drafts is dropped: their blocks are freed. Finished requests
+        free their blocks now and leave `running`. Returns the requests that got a
+        token, finished ones included.
         """
         updated: list[Request] = []
         any_finished = False
@@ -395,15 +423,34 @@ class Scheduler:
             request = item.request
             if request.status is not _RUNNING:
                 continue  # finished or aborted after schedule(): its token is dropped
-            token = sampled.get(item.request_id)
-            if token is None:
-                raise ValueError(f"no sampled token for request {item.request_id!r}")
-            output_ids = request.output_token_ids
-            output_ids.append(token)
-            all_ids = request.all_token_ids
-            all_ids.append(token)
+            tokens = sampled.get(item.request_id)
+            if not tokens or len(tokens) > 1 + item.num_draft_tokens:
+                raise ValueError(f"no or too many sampled tokens for {item.request_id!r}")
             updated.append(request)
-            params = request.sampling_params
+            status = self._append(request, tokens, max_model_len)
+            if status is None and item.num_draft_tokens:
+                # The last token appended has no KV yet; the rejected drafts' blocks go back.
+                request.num_computed_tokens = len(request.all_token_ids) - 1
+                self.kv_cache_manager.trim(request)
+            if status is not None:
+                self.kv_cache_manager.free(request)
+                request.status = status
+                self._retire(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return updated
+
+    def _append(
+        self, request: Request, tokens: list[int], max_model_len: int
+    ) -> RequestStatus | None:
+        """Append tokens one by one until one finishes the request: its status, or None."""
+        output_ids = request.output_token_ids
+        all_ids = request.all_token_ids
+        params = request.sampling_params
+        for token in tokens:
+            output_ids.append(token)
+            all_ids.append(token)
             status = None
             # Cheap screen first: most tokens trip none of the stop rules.
             if (
@@ -415,13 +462,8 @@ class Scheduler:
             if status is None and request.grammar is not None and _grammar_done(request, token):
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
-                self.kv_cache_manager.free(request)
-                request.status = status
-                self._retire(request)
-                any_finished = True
-        if any_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-        return updated
+                return status
+        return None
 
     @staticmethod
     def _check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -64,7 +64,8 @@ BLOCK_STATES = ("free", "cached", "in_use")  # BlockCounts' fields, as label val
 
 # The cumulative EngineStats fields mirrored as Prometheus counters.
 _CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "tier_hits", "num_preemptions",
-               "prompt_tokens", "generation_tokens")  # fmt: skip
+               "prompt_tokens", "generation_tokens", "spec_num_drafts", "spec_num_draft_tokens",
+               "spec_num_accepted_tokens")  # fmt: skip
 
 
 @dataclass
@@ -101,7 +102,21 @@ class ServerMetrics:
                 registry=r),
             "generation_tokens": Counter(
                 PREFIX + "generation_tokens", "Tokens sampled.", registry=r),
+            "spec_num_drafts": Counter(
+                PREFIX + "spec_decode_num_drafts",
+                "Speculative decoding: verifications (a request's step with draft tokens).",
+                registry=r),
+            "spec_num_draft_tokens": Counter(
+                PREFIX + "spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens verified.", registry=r),
+            "spec_num_accepted_tokens": Counter(
+                PREFIX + "spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens kept.", registry=r),
         }  # fmt: skip
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens kept, by position in the draft (0: first).",
+            ["position"], registry=r)  # fmt: skip
         self.kv_cache_usage = Gauge(
             PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r
         )
@@ -180,6 +195,10 @@ class ServerMetrics:
             delta = now - before if now >= before else now
             if delta:
                 self.counters[name].inc(delta)
+        before = self._last.spec_accepted_per_pos
+        for pos, now in enumerate(stats.spec_accepted_per_pos):
+            if delta := now - (before[pos] if pos < len(before) else 0):
+                self.spec_accepted_per_pos.labels(position=str(pos)).inc(delta)
         self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         if stats.num_steps != self._last.num_steps:
             self.iteration_tokens.observe(stats.last_step_tokens)

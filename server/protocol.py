@@ -149,6 +149,9 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    # False: this request never verifies draft tokens (where the server runs
+    # --speculative); the output is the same, only its speed differs.
+    speculative: bool | None = True
     cache_salt: NonEmptyStr | None = None
     # Scheduling (vLLM's `priority`: lower first); seconds a request may wait before its
     # first step, past which it is answered 503 `queue_timeout` (default: --queue-timeout).

@@ -46,6 +46,7 @@ def to_sampling_params(
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": req.skip_special_tokens is not False,
         "structured_outputs": structured,
+        "speculative": req.speculative is not False,
     }
     return SamplingParams(**fields)
 

@@ -58,21 +58,33 @@ class FakePagedModel:
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.next_token = next_token
 
-    def run(self, output: SchedulerOutput) -> dict[str, int]:
+    def run(self, output: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.block_size
         # Write every request's new KV before anyone reads, as one batched forward does.
         for item in output.scheduled:
             for i, token in enumerate(item.token_ids):
                 pos = item.num_computed_tokens + i
                 self.slots[item.block_ids[pos // bs]][pos % bs] = token
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         for item in output.scheduled:
             if item.sample:
                 end = item.num_computed_tokens + len(item.token_ids)
                 seq = [item_slot(self.slots, item.block_ids, p, bs) for p in range(end)]
                 assert None not in seq, f"{item.request_id} reads a slot never written"
-                sampled[item.request_id] = self.next_token(seq)
+                sampled[item.request_id] = self._verify(seq, item.num_draft_tokens)
         return sampled
+
+    def _verify(self, seq: list[int], num_drafts: int) -> list[int]:
+        """The token after each of the last 1 + num_drafts positions, kept while the next
+        draft equals it (speculative decoding's greedy rule)."""
+        first = len(seq) - num_drafts
+        tokens = []
+        for end in range(first, len(seq) + 1):
+            token = self.next_token(seq[:end])
+            tokens.append(token)
+            if end == len(seq) or seq[end] != token:
+                break
+        return tokens
 
 
 def item_slot(slots, block_ids, pos: int, bs: int):
@@ -92,14 +104,21 @@ class Harness:
     """
 
     def __init__(
-        self, config: SchedulerConfig, next_token=fake_next_token, tier: HostTier | None = None
+        self,
+        config: SchedulerConfig,
+        next_token=fake_next_token,
+        tier: HostTier | None = None,
+        drafter: Callable[[Request], list[int]] | None = None,
     ) -> None:
+        """`drafter`: speculative decoding's proposer, asked after each step for each
+        running request's draft tokens."""
         self.config = config
         self.now = 0.0
         self.sched = Scheduler(config, clock=lambda: self.now, tier=tier)
         self.mgr = self.sched.kv_cache_manager
         self.model = FakePagedModel(config.num_blocks, config.block_size, next_token)
         self.next_token = next_token
+        self.drafter = drafter
         self.outputs: list[SchedulerOutput] = []
         self.requests: dict[str, Request] = {}
 
@@ -144,6 +163,9 @@ class Harness:
         assert {r.request_id for r in got} == set(sampled)
         self.outputs.append(out)
         self.check_state()
+        if self.drafter is not None:
+            for request in self.sched.running:
+                request.spec_token_ids = self.drafter(request)
         self.now += 1.0
         return out
 
@@ -188,9 +210,18 @@ class Harness:
             else:  # an admitted request starts after its cached full blocks
                 assert item.num_computed_tokens % cfg.block_size == 0
             end = item.num_computed_tokens + len(item.token_ids)
-            assert item.token_ids == request.all_token_ids[item.num_computed_tokens : end]
-            assert end <= num_tokens
-            assert item.sample == (end == num_tokens)
+            k = item.num_draft_tokens
+            known = item.token_ids[: len(item.token_ids) - k]
+            assert known == request.all_token_ids[item.num_computed_tokens : end - k]
+            assert end - k <= num_tokens
+            assert item.sample == (end - k == num_tokens)
+            if k:  # drafts ride only on a decode, within what the request may still emit
+                assert len(known) == 1 and end - k == num_tokens
+                max_len = min(
+                    len(request.prompt_token_ids) + request.sampling_params.max_tokens,
+                    cfg.max_model_len,
+                )
+                assert end + 1 <= max_len
             assert request.num_computed_tokens == end
             assert len(item.block_ids) * cfg.block_size >= end
             assert item.block_ids == self.mgr.get_block_ids(item.request_id)
@@ -203,6 +234,8 @@ class Harness:
             assert request.status is RequestStatus.RUNNING
             table = self.mgr.get_block_ids(request.request_id)
             assert len(table) * block_size >= request.num_computed_tokens
+            # No block beyond what the computed tokens need: a rejected tail was freed.
+            assert len(table) == -(-request.num_computed_tokens // block_size)
         for request in self.sched.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0

@@ -143,7 +143,7 @@ def test_a_missing_sampled_token_is_an_error():
     sched = Scheduler(make_config())
     sched.add_request(Request("r", [1, 2], SamplingParams()))
     out = sched.schedule()
-    with pytest.raises(ValueError, match="no sampled token"):
+    with pytest.raises(ValueError, match="no or too many sampled tokens"):
         sched.update_from_output(out, {})
 
 
