@@ -75,6 +75,7 @@ from server.serving import (
     warn_unknown_fields,
 )
 from server.tokens import apply_chat_template
+from server.tool_formats import TOOL_PARSERS
 from server.validation import check_token_ids, check_tokenize_input
 
 # The dashboard's page holds no data; its JSON (/dashboard/state) needs the key.
@@ -91,6 +92,7 @@ def build_app(
     queue_timeout: float | None = None,
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     reasoning_parser: str = "auto",
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
@@ -103,7 +105,9 @@ def build_app(
     (then 503 `queue_timeout`);
     `grammar_compile_timeout` the seconds an output constraint may take to compile (then
     400 `grammar_compile_timeout`) and may wait to start (then 503; None: no limit);
-    `reasoning_parser` how a think block is separated from the answer (server/reasoning.py).
+    `reasoning_parser` how a think block is separated from the answer (server/reasoning.py);
+    `tool_call_parser` the tool-call format read under tool_choice "auto"
+    (server/tool_formats.py).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
@@ -111,6 +115,8 @@ def build_app(
         raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS}")
     seconds = {"queue_timeout": queue_timeout, "grammar_compile_timeout": grammar_compile_timeout}
     for name, value in seconds.items():
         if value is not None and not 0 < value < float("inf"):
@@ -123,6 +129,7 @@ def build_app(
         queue_timeout=queue_timeout,
         grammar_compile_timeout=grammar_compile_timeout,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager

@@ -32,7 +32,7 @@ from server.output_schemas import (
     make_usage,
 )
 from server.protocol import ChatCompletionRequest
-from server.reasoning import NO_REASONING, ReasoningMode, reasoning_mode, resolve_parser
+from server.reasoning import ReasoningMode, reasoning_mode, resolve_parser
 from server.serving import (
     OPENAI_STREAM,
     ResponseView,
@@ -47,12 +47,13 @@ from server.serving import (
 )
 from server.tokens import TokenStrings, apply_chat_template, encode_chat
 from server.tool_calls import (
-    ToolCallReader,
+    OutputReading,
     finish_reason,
     merge_deltas,
     output_constraint,
     template_input,
 )
+from server.tool_formats import resolve_tool_parser
 from server.validation import check_chat_supported
 
 
@@ -61,8 +62,8 @@ async def create_chat_completion(
 ) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def view(num_prompt: int, reasoning: ReasoningMode) -> _ChatView:
-        return _ChatView(ctx, req, request_id, num_prompt, reasoning)
+    def view(num_prompt: int, reading: OutputReading) -> _ChatView:
+        return _ChatView(ctx, req, request_id, num_prompt, reading)
 
     return await serve_chat(ctx, req, request_id, "/v1/chat/completions", view, raw_request)
 
@@ -80,12 +81,16 @@ def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int
     return encode_chat(ctx.tokenizer, chat_prompt_text(ctx, req))
 
 
-def request_reasoning(ctx: ServingContext, prompt_text: str, constrained: bool) -> ReasoningMode:
-    """How the output's reasoning is read (server/reasoning.py). Under an output constraint
-    the output is the constrained text from its first token, never inside a think block."""
-    parser = resolve_parser(ctx.reasoning_parser, getattr(ctx.tokenizer, "chat_template", None))
-    mode = reasoning_mode(parser, prompt_text)
-    return ReasoningMode(mode.enabled) if constrained else mode
+def output_reading(
+    ctx: ServingContext, prompt_text: str, constrained: bool, generic: bool
+) -> OutputReading:
+    """How the output is read: its reasoning (server/reasoning.py; under an output
+    constraint the output is the constrained text from its first token, never inside a
+    think block) and its tool-call format (the generic format's is Hermes')."""
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    mode = reasoning_mode(resolve_parser(ctx.reasoning_parser, template), prompt_text)
+    tool_parser = "hermes" if generic else resolve_tool_parser(ctx.tool_call_parser, template)
+    return OutputReading(ReasoningMode(mode.enabled) if constrained else mode, tool_parser)
 
 
 async def serve_chat(
@@ -93,25 +98,26 @@ async def serve_chat(
     req: ChatCompletionRequest,
     request_id: str,
     endpoint: str,
-    make_view: Callable[[int, ReasoningMode], ResponseView],
+    make_view: Callable[[int, OutputReading], ResponseView],
     raw_request: Request,
     fmt: StreamFormat = OPENAI_STREAM,
 ) -> Response:
     """A chat request through the engine, answered by the view `make_view(prompt tokens,
-    reasoning mode)` makes: the one path of chat completions and of the APIs translated into it (Anthropic's
-    Messages, OpenAI's Responses), so a conversation renders to the same tokens in each."""
+    output reading)` makes: the one path of chat completions and of the APIs translated
+    into it (Anthropic's Messages, OpenAI's Responses), so a conversation renders to the
+    same tokens in each and its output is read the same way."""
     check_request(ctx, req, endpoint, 1, check_chat_supported)
     generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
     constraint = output_constraint(req, generic)
     prompt_text = chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
-    reasoning = request_reasoning(ctx, prompt_text, constraint is not None)
+    reading = output_reading(ctx, prompt_text, constraint is not None, generic)
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
         "messages", structured,
     )  # fmt: skip
-    view = make_view(len(prompt_ids), reasoning)
+    view = make_view(len(prompt_ids), reading)
     return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, fmt)
 
 
@@ -142,10 +148,10 @@ class _ChatView:
         req: ChatCompletionRequest,
         request_id: str,
         num_prompt: int,
-        reasoning: ReasoningMode = NO_REASONING,
+        reading: OutputReading,
     ) -> None:
         self.ctx = ctx
-        self.reasoning = reasoning
+        self.reading = reading
         self.req = req
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt
@@ -169,7 +175,7 @@ class _ChatView:
         choices = []
         for index in range(self.n):
             out = finals[f"{self.request_id}-{index}"]
-            message = ToolCallReader(self.req, self.reasoning.splitter()).message(out.text)
+            message = self.reading.reader(self.req).message(out.text)
             choices.append(ChatChoice(
                 index=index,
                 message=message,
@@ -198,7 +204,7 @@ class _ChatView:
             role = ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})
             yield self._chunk([role])
         pending: dict[int, list[TokenLogprob]] = defaultdict(list)  # held back with the text
-        readers = [ToolCallReader(self.req, self.reasoning.splitter()) for _ in range(self.n)]
+        readers = [self.reading.reader(self.req) for _ in range(self.n)]
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
             index = choice_index(out.request_id)

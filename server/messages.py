@@ -35,7 +35,6 @@ from server.chat import chat_prompt_ids, serve_chat
 from server.engine_client import EngineStream
 from server.errors import bad_request
 from server.protocol import MAX_TOP_K, ChatCompletionRequest
-from server.reasoning import ReasoningMode
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -44,7 +43,7 @@ from server.request_base import (
     server_limit,
 )
 from server.serving import ServingContext, StreamFormat, as_is, named_event
-from server.tool_calls import ToolCallReader
+from server.tool_calls import OutputReading
 from server.validation import check_tools
 
 # ------------------------------------------------------------------- request schemas
@@ -304,8 +303,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     chat = chat_request(req)
     message_id = f"msg_{uuid.uuid4().hex}"
 
-    def view(num_prompt: int, reasoning: ReasoningMode) -> _MessagesView:
-        return _MessagesView(ctx, chat, message_id, num_prompt, reasoning)
+    def view(num_prompt: int, reading: OutputReading) -> _MessagesView:
+        return _MessagesView(ctx, chat, message_id, num_prompt, reading)
 
     return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, ANTHROPIC_STREAM)
 
@@ -344,10 +343,10 @@ class _MessagesView:
         chat: ChatCompletionRequest,
         message_id: str,
         num_prompt: int,
-        reasoning: ReasoningMode,
+        reading: OutputReading,
     ) -> None:
         self.chat = chat
-        self.reasoning = reasoning
+        self.reading = reading
         self.request_id = message_id
         self.num_prompt = num_prompt
         self.model = ctx.served_model_name
@@ -355,7 +354,7 @@ class _MessagesView:
 
     def response(self, finals: dict[str, RequestOutput]) -> MessageResponse:
         out = finals[f"{self.request_id}-0"]
-        message = ToolCallReader(self.chat, self.reasoning.splitter()).message(out.text)
+        message = self.reading.reader(self.chat).message(out.text)
         content: list[dict[str, Any]] = []
         if message.reasoning_content is not None:  # a think block: Anthropic's thinking
             content.append(_thinking(message.reasoning_content))
@@ -371,7 +370,7 @@ class _MessagesView:
         )  # fmt: skip
 
     async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
-        reader = ToolCallReader(self.chat, self.reasoning.splitter())
+        reader = self.reading.reader(self.chat)
         blocks = _Blocks()
         started = False
         async for out in stream:

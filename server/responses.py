@@ -36,7 +36,6 @@ from server.chat import serve_chat
 from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ReasoningMode
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -46,7 +45,7 @@ from server.request_base import (
 )
 from server.responses_items import OutputItems, call_item, item_id, message_item, reasoning_item
 from server.serving import ServingContext, StreamFormat, as_is, named_event
-from server.tool_calls import ToolCallReader
+from server.tool_calls import OutputReading
 
 # ------------------------------------------------------------------- request schemas
 
@@ -303,8 +302,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     chat = chat_request(req, conversation)
     response_id = f"resp_{uuid.uuid4().hex}"
 
-    def view(num_prompt: int, reasoning: ReasoningMode) -> _ResponsesView:
-        return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation, reasoning)
+    def view(num_prompt: int, reading: OutputReading) -> _ResponsesView:
+        return _ResponsesView(ctx, req, chat, response_id, num_prompt, conversation, reading)
 
     return await serve_chat(ctx, chat, response_id, "/v1/responses", view, raw, RESPONSES_STREAM)
 
@@ -324,9 +323,9 @@ class _ResponsesView:
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
                  response_id: str, num_prompt: int, conversation: list[dict[str, Any]],
-                 reasoning: ReasoningMode) -> None:  # fmt: skip
+                 reading: OutputReading) -> None:  # fmt: skip
         self.ctx = ctx
-        self.reasoning = reasoning
+        self.reading = reading
         self.req = req
         self.chat = chat
         self.request_id = response_id
@@ -371,7 +370,7 @@ class _ResponsesView:
 
     def response(self, finals: dict[str, RequestOutput]) -> ResponseObject:
         out = finals[f"{self.request_id}-0"]
-        message = ToolCallReader(self.chat, self.reasoning.splitter()).message(out.text)
+        message = self.reading.reader(self.chat).message(out.text)
         status = "incomplete" if out.finish_reason == "length" else "completed"
         output = []
         if message.reasoning_content is not None:  # a think block: a reasoning item
@@ -391,7 +390,7 @@ class _ResponsesView:
         started = self._response("in_progress", []).model_dump()
         yield self._event("response.created", response=started)
         yield self._event("response.in_progress", response=started)
-        reader = ToolCallReader(self.chat, self.reasoning.splitter())
+        reader = self.reading.reader(self.chat)
         items = OutputItems(self._event)
         async for out in stream:
             for chunk in items.events(reader.feed(out.new_text)):

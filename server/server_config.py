@@ -28,6 +28,7 @@ from server.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.reasoning import REASONING_PARSERS
 from server.serving import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DEFAULT_MAX_SEQS_PER_REQUEST
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT_S
+from server.tool_formats import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 ROUTERS = ("prefix", "default")
@@ -58,7 +59,7 @@ TEXTS = Kind("append", "a tuple of strings", _texts)  # a repeatable flag: a tex
 # The keyword arguments of server/app.py's `build_app` that are options here.
 APP_OPTIONS = ("served_model_name", "api_key", "max_waiting_requests", "max_request_body_bytes",
                "max_seqs_per_request", "queue_timeout", "grammar_compile_timeout",
-               "reasoning_parser")  # fmt: skip
+               "reasoning_parser", "tool_call_parser")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,14 @@ class ServerConfig:
         help="separate a reasoning model's <think> block from its answer (reasoning_content, "
         "reasoning items, thinking blocks): think, none, or auto (think where the chat "
         "template names <think>; default %(default)s)",
+    )
+    tool_call_parser: str = flag(
+        "auto",
+        choices=TOOL_PARSERS,
+        help='the tool-call format read under tool_choice "auto" on a template that declares '
+        "tools: hermes (<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]), or auto "
+        "(chosen by the template; default %(default)s). Templates without tools use the "
+        "generic format (docs/agents.md)",
     )
     drain_timeout: float = flag(
         DEFAULT_DRAIN_TIMEOUT_S,

@@ -71,6 +71,7 @@ class ServingContext:
     queue_timeout: float | None = None  # seconds; a request's own queue_timeout wins
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # None: no limit
     reasoning_parser: str = "auto"  # server/reasoning.py's REASONING_PARSERS
+    tool_call_parser: str = "auto"  # server/tool_formats.py's TOOL_PARSERS
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 

@@ -7,10 +7,12 @@
 * "required": the output is constrained to a JSON array of `{"name", "parameters"}`
   objects, one per call (vLLM's form), at least one; one at most with
   `parallel_tool_calls: false`.
-* "auto": the model answers in text or with Hermes `<tool_call>` blocks, parsed out of
-  that text. A chat template that declares tool support shows the model its tools and
-  nothing is constrained; on any other template the generic format (server/generic_tools.py)
-  describes them in the system turn and a structural tag keeps each call well-formed.
+* "auto": the model answers in text or with calls, parsed out of that text. A chat
+  template that declares tool support shows the model its tools, nothing is constrained,
+  and the calls are read in the template's format (server/tool_formats.py: Hermes
+  `<tool_call>` blocks, Llama 3 JSON or Mistral `[TOOL_CALLS]`); on any other template the
+  generic format (server/generic_tools.py) describes them in the system turn, the model
+  writes Hermes blocks and a structural tag keeps each call well-formed.
 * "none": no calls are read from the output; a template that declares tool support is
   still shown the tools (context for earlier calls), the generic format leaves them out.
 
@@ -20,6 +22,7 @@ declares tool support, else through the generic format, whatever the mode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from engine import StructuredOutputs
@@ -34,13 +37,10 @@ from server.protocol import (
     ChatTool,
     NamedToolChoice,
 )
-from server.reasoning import ReasoningSplitter, split_reasoning
+from server.reasoning import NO_REASONING, ReasoningMode, ReasoningSplitter, split_reasoning
 from server.structured_outputs import at_most_one_constraint, request_constraint
-from server.tool_parsers import (
-    CallArrayStream,
-    HermesStream,
-    parse_hermes,
-)
+from server.tool_formats import parse_tool_output, tool_stream
+from server.tool_parsers import CallArrayStream
 from server.tool_parsers import ToolCall as ParsedCall
 from server.tool_parsers import new_call as new_call_id
 
@@ -149,15 +149,19 @@ class ToolCallReader:
     server/reasoning.py), content and tool calls, whole or streamed."""
 
     def __init__(
-        self, req: ChatCompletionRequest, reasoning: ReasoningSplitter | None = None
+        self,
+        req: ChatCompletionRequest,
+        reasoning: ReasoningSplitter | None = None,
+        tool_parser: str = "hermes",
     ) -> None:
         self._reasoning = reasoning
+        self._tool_parser = tool_parser  # "auto"'s format: server/tool_formats.py
         self.mode = req.tool_mode
         choice = req.tool_choice
         self._name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self._id = new_call_id()
         self._num_calls = 0
-        self._hermes = HermesStream() if self.mode == "auto" else None
+        self._hermes = tool_stream(tool_parser) if self.mode == "auto" else None
         self._array = CallArrayStream() if self.mode == "required" else None
 
     def message(self, text: str) -> ChatMessage:
@@ -193,7 +197,7 @@ class ToolCallReader:
             # The calls that closed, as the stream delivers them: all of them, or those
             # before max_tokens cut the array (finish_reason "length" says it was cut).
             return ChatMessage(tool_calls=[_out(c) for c in CallArrayStream().feed(text)])
-        content, calls = parse_hermes(text)
+        content, calls = parse_tool_output(self._tool_parser, text)
         return ChatMessage(content=content, tool_calls=[_out(c) for c in calls])
 
     def _feed(self, text: str) -> dict[str, Any]:
@@ -234,6 +238,18 @@ class ToolCallReader:
         if content:
             delta["content"] = content
         return delta
+
+
+@dataclass(frozen=True)
+class OutputReading:
+    """How one request's output is read: its reasoning (server/reasoning.py) and, under
+    tool_choice "auto", the tool-call format (server/tool_formats.py)."""
+
+    reasoning: ReasoningMode = NO_REASONING
+    tool_parser: str = "hermes"
+
+    def reader(self, req: ChatCompletionRequest) -> ToolCallReader:
+        return ToolCallReader(req, self.reasoning.splitter(), self.tool_parser)
 
 
 def _with_reasoning(reasoning: str, delta: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def _arguments(obj: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def _call_from_object(obj: Any) -> ToolCall:
+def call_from_object(obj: Any) -> ToolCall:
     """A ToolCall from a decoded {name, arguments|parameters} object; ValueError naming the fault."""
     if not isinstance(obj, dict):
         raise ValueError(f"a call must be a JSON object, got {type(obj).__name__}")
@@ -57,7 +57,7 @@ def _call_from_object(obj: Any) -> ToolCall:
 def _call_from_block(body: str) -> ToolCall | None:
     """The call in a `<tool_call>` block's body, or None so the caller keeps the block as text."""
     try:
-        return _call_from_object(json_body.loads(body))
+        return call_from_object(json_body.loads(body))
     except ValueError:
         return None
 
@@ -180,6 +180,6 @@ class CallArrayStream:
                     break
                 except RecursionError:  # the parser's own limit on nesting (~1,000 levels)
                     raise ValueError("a tool call is nested too deeply to read") from None
-                calls.append(_call_from_object(obj))
+                calls.append(call_from_object(obj))
                 self._state = "separator"
         return calls

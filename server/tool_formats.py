@@ -1,0 +1,123 @@
+"""Which tool-call format a model writes under tool_choice "auto", chosen by its chat template
+(or by --tool-call-parser), and the readers for the formats that are not Hermes'.
+
+* "hermes": `<tool_call>{"name", "arguments"}</tool_call>` blocks amid text (Qwen2.5,
+  Hermes, and the generic format of server/generic_tools.py); server/tool_parsers.py.
+* "llama3_json": the whole answer is one or more `{"name", "parameters"}` objects (split by
+  `;` or whitespace), after an optional `<|python_tag|>` (Llama 3.1 to 3.3).
+* "mistral": `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects (Mistral's
+  v3 tokenizer templates); the array alone is read the same way, since `[TOOL_CALLS]` is
+  a special token that the detokenizer drops by default.
+
+In the last two a call is the whole output, so the reader decides from how the output
+begins: text that starts like a call is held back to the end and parsed whole; text that
+cannot be one streams as content at once. A call that does not parse stays content.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from server.tool_parsers import HermesStream, ToolCall, call_from_object, parse_hermes
+
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+PYTHON_TAG, MISTRAL_TAG = "<|python_tag|>", "[TOOL_CALLS]"
+# What a template says when its model writes each format.
+_MARKERS = {"mistral": ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]"),
+            "llama3_json": (PYTHON_TAG, "Environment: ipython")}  # fmt: skip
+
+
+def resolve_tool_parser(name: str, chat_template: Any) -> str:
+    """The format "auto" stands for with this template (Hermes' unless it names another)."""
+    if name != "auto":
+        return name
+    text = str(chat_template or "")
+    for parser, markers in _MARKERS.items():
+        if any(marker in text for marker in markers):
+            return parser
+    return "hermes"
+
+
+def _json_values(text: str, separators: str) -> list[Any] | None:
+    """The JSON values `text` is made of, apart from `separators` between them; None when
+    anything else is there."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and text[pos] in separators:
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        values.append(value)
+
+
+def _calls(objects: list[Any] | None) -> list[ToolCall] | None:
+    try:
+        return [call_from_object(obj) for obj in objects] if objects else None
+    except ValueError:
+        return None
+
+
+def parse_llama3_json(text: str) -> list[ToolCall] | None:
+    """The calls the whole output makes, or None when it is not calls."""
+    body = text.strip().removeprefix(PYTHON_TAG)
+    return _calls(_json_values(body, " \t\n\r;"))
+
+
+def parse_mistral(text: str) -> list[ToolCall] | None:
+    body = text.strip().removeprefix(MISTRAL_TAG).strip()
+    values = _json_values(body, " \t\n\r")
+    arrays = values if values and all(isinstance(v, list) for v in values) else None
+    return _calls([obj for array in arrays for obj in array] if arrays else None)
+
+
+class WholeOutputCalls:
+    """A reader for formats where calls are the whole output: feed -> (content, calls)."""
+
+    def __init__(self, starts: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]):
+        self._starts = starts
+        self._parse = parse
+        self._buf = ""
+        self._state = "start"  # -> "calls" (held to the end) or "content" (streamed)
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._buf += delta
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if any(head.startswith(s) for s in self._starts):
+                self._state = "calls"
+            elif not any(s.startswith(head) for s in self._starts):
+                self._state = "content"
+        if self._state != "content":
+            return "", []
+        text, self._buf = self._buf, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._buf = self._buf, ""
+        calls = self._parse(text) if self._state == "calls" else None
+        return ("", calls) if calls else (text, [])
+
+
+def tool_stream(parser: str) -> Any:
+    """The streaming reader for a format: feed/finish -> (content, calls)."""
+    if parser == "llama3_json":
+        return WholeOutputCalls((PYTHON_TAG, "{"), parse_llama3_json)
+    if parser == "mistral":
+        return WholeOutputCalls((MISTRAL_TAG, "[{"), parse_mistral)
+    return HermesStream()
+
+
+def parse_tool_output(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """The whole output's content (stripped; None when empty) and calls, in that format."""
+    if parser == "hermes":
+        return parse_hermes(text)
+    reader = tool_stream(parser)
+    sent, _ = reader.feed(text)
+    rest, calls = reader.finish()
+    return (sent + rest).strip() or None, calls
