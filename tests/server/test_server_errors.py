@@ -128,9 +128,6 @@ def test_empty_stop_string_error_names_stop_once(server):
         ({"messages": [{"content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages.0.content.0"),
-        # tool_choice "auto" (the default with tools) needs a template that shows them.
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-         "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "response_format.json_schema"),
