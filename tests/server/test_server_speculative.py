@@ -28,7 +28,7 @@ def server():
 
 def chat(server, stream: bool = False, **options):
     client = server.openai()
-    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 48, "temperature": 0,
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0,
             **options}  # fmt: skip
     if not stream:
         out = client.chat.completions.create(**body)
@@ -55,9 +55,9 @@ def spec_metrics(server) -> tuple[float, float]:
 
 @pytest.mark.parametrize(
     ("stream", "options"),
-    [(False, {}), (True, {}), (False, {"stop": ["perimeter"]}),
+    [(False, {}), (False, {"stop": ["perimeter"]}),
      (True, {"n": 2, "temperature": 0.8, "seed": 5})],
-    ids=["greedy", "streamed", "stop-string", "streamed-n2-seeded"],
+    ids=["greedy", "stop-string", "streamed-n2-seeded"],
 )  # fmt: skip
 def test_answers_equal_the_same_request_without_speculation(server, options, stream):
     drafted, kept = spec_metrics(server)
