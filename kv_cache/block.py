@@ -81,28 +81,23 @@ class FreeBlockQueue:
         return block
 
     def append(self, block: KVCacheBlock) -> None:
-        if block.prev_free is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
-        tail = self._tail
-        last = tail.prev_free
+        last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
-        self._num_free += 1
+        self._insert_after(last, block)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put a block at the head: the next one popped (an empty block, worth nothing)."""
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
         if block.prev_free is not None:
             raise ValueError(f"block {block.block_id} is already in the free queue")
-        head = self._head
-        first = head.next_free
-        assert first is not None
-        head.next_free = block
-        block.prev_free = head
-        block.next_free = first
-        first.prev_free = block
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self._num_free += 1
 
     def remove(self, block: KVCacheBlock) -> None:
