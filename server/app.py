@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,9 @@ from server.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
 )
+from server.model_router import ModelRouter
+from server.model_routes import add_model_routes, model_list
+from server.model_routes import model_card as model_card_of
 from server.openapi import ANTHROPIC_SSE, RESPONSES_SSE, SSE, install_openapi, responses
 from server.output_schemas import (
     ChatCompletionResponse,
@@ -93,6 +97,7 @@ def build_app(
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     reasoning_parser: str = "auto",
     tool_call_parser: str = "auto",
+    models: ModelRouter | None = None,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
@@ -107,7 +112,9 @@ def build_app(
     400 `grammar_compile_timeout`) and may wait to start (then 503; None: no limit);
     `reasoning_parser` how a think block is separated from the answer (server/reasoning.py);
     `tool_call_parser` the tool-call format read under tool_choice "auto"
-    (server/tool_formats.py).
+    (server/tool_formats.py);
+    `models` several models (server/model_router.py), each request served by the one it
+    names, `engine_client` then being their server/router_engine.py.
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
@@ -131,6 +138,9 @@ def build_app(
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
     )
+    use = _one_model(ctx) if models is None else models.use
+    if models is not None:  # each model served with these options over its own engine
+        models.bind(lambda engine, name: replace(ctx, engine=engine, served_model_name=name))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,14 +155,31 @@ def build_app(
     app.state.ctx = ctx
     install_error_handlers(app)
     install_openapi(app, ctx)
-    _add_openai_routes(app, ctx)
-    _add_server_routes(app, ctx)
+    _add_openai_routes(app, ctx, use, models)
+    _add_server_routes(app, ctx, use)
     add_dashboard_routes(app, ctx)
+    if models is not None:
+        add_model_routes(app, models)
     # The last added middleware runs first: refuse a bad key before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
     return app
+
+
+# The ServingContext of the model a request names (None: the default), held while the
+# request is handed to it.
+UseModel = Callable[[str | None], AbstractAsyncContextManager[ServingContext]]
+
+
+def _one_model(ctx: ServingContext) -> UseModel:
+    """A single-model server's `use`: its one context (the handlers check the name)."""
+
+    @asynccontextmanager
+    async def use(_: str | None) -> AsyncIterator[ServingContext]:
+        yield ctx
+
+    return use
 
 
 class JsonBodyRequest(Request):
@@ -196,20 +223,24 @@ def _declares_json(content_type: str | None) -> bool:
 _GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
 
 
-def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_openai_routes(
+    app: FastAPI, ctx: ServingContext, use: UseModel, models: ModelRouter | None
+) -> None:
     @app.post(
         "/v1/completions",
         responses=responses(CompletionResponse, *_GENERATION_ERRORS, ok_content=SSE),
     )
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        return await create_completion(ctx, body, raw_request)
+        async with use(body.model) as model_ctx:
+            return await create_completion(model_ctx, body, raw_request)
 
     @app.post(
         "/v1/chat/completions",
         responses=responses(ChatCompletionResponse, *_GENERATION_ERRORS, ok_content=SSE),
     )
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await create_chat_completion(ctx, body, raw_request)
+        async with use(body.model) as model_ctx:
+            return await create_chat_completion(model_ctx, body, raw_request)
 
     # Anthropic's Messages API: the chat route's request in Anthropic's shapes.
     @app.post(
@@ -218,7 +249,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
                             error_model=AnthropicErrorResponse),
     )  # fmt: skip
     async def messages(body: MessagesRequest, raw_request: Request) -> Response:
-        return await create_message(ctx, body, raw_request)
+        async with use(body.model) as model_ctx:
+            return await create_message(model_ctx, body, raw_request)
 
     @app.post(
         "/v1/messages/count_tokens",
@@ -226,7 +258,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
                             error_model=AnthropicErrorResponse),
     )  # fmt: skip
     async def messages_count_tokens(body: CountTokensRequest) -> Response:
-        return JSONResponse(count_tokens(ctx, body).model_dump())
+        async with use(body.model) as model_ctx:
+            return JSONResponse(count_tokens(model_ctx, body).model_dump())
 
     # OpenAI's Responses API: the chat route's request in its shapes, and its stored answers.
     @app.post(
@@ -234,7 +267,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         responses=responses(ResponseObject, *_GENERATION_ERRORS, ok_content=RESPONSES_SSE),
     )
     async def create_responses(body: ResponsesRequest, raw_request: Request) -> Response:
-        return await create_response(ctx, body, raw_request)
+        async with use(body.model) as model_ctx:
+            return await create_response(model_ctx, body, raw_request)
 
     @app.get("/v1/responses/{response_id}", responses=responses(ResponseObject, 401, 404))
     async def read_response(response_id: str) -> Response:
@@ -252,7 +286,9 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         )
 
     @app.get("/v1/models", responses=responses(ModelList, 401))
-    async def models() -> Response:
+    async def list_models() -> Response:
+        if models is not None:
+            return JSONResponse(model_list(models).model_dump())
         return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
     # `:path`: a served name may hold a slash ("org/model"), as Hugging Face ids do.
@@ -260,11 +296,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def model(
         model: Annotated[str, PathParam(json_schema_extra=server_limit("model_id"))],
     ) -> Response:
+        if models is not None:
+            card = model_card_of(models, models.registry.find(model))
+            return JSONResponse(card.model_dump())
         ctx.check_model(model)
         return JSONResponse(model_card().model_dump())
 
 
-def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_server_routes(app: FastAPI, ctx: ServingContext, use: UseModel) -> None:
     @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         if not ctx.engine.is_alive:
@@ -280,32 +319,15 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> Response:
-        ctx.check_model(body.model)
-        check_tokenize_input(body)
-        warn_unknown_fields(body, "/tokenize")
-        tokenizer = ctx.tokenizer
-        if body.messages is not None:
-            # The chat endpoint's message rules (roles, text-only parts) apply here too.
-            conversation = [plain_message(i, m) for i, m in enumerate(body.messages)]
-            text = apply_chat_template(
-                tokenizer, conversation, body.add_generation_prompt is not False
-            )
-            tokens = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
-        else:
-            add_special = body.add_special_tokens is not False
-            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
-        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        out = TokenizeResponse(
-            count=len(tokens), max_model_len=ctx.engine.max_model_len, tokens=tokens,
-            token_strs=strs,
-        )  # fmt: skip
-        return JSONResponse(out.model_dump())
+        async with use(body.model) as model_ctx:
+            return _tokenize(model_ctx, body)
 
     @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> Response:
-        ctx.check_model(body.model)
-        check_token_ids(body.tokens, ctx.engine.vocab_size, "tokens")
-        text = ctx.tokenizer.decode(body.tokens)
+        async with use(body.model) as model_ctx:
+            model_ctx.check_model(body.model)
+            check_token_ids(body.tokens, model_ctx.engine.vocab_size, "tokens")
+            text = model_ctx.tokenizer.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     @app.post("/reset_prefix_cache", responses=responses(ResetPrefixCacheResponse, 401, 503))
@@ -315,3 +337,24 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext) -> None:
         except EngineDeadError as exc:
             raise engine_dead(str(exc)) from exc
         return JSONResponse(ResetPrefixCacheResponse(success=bool(ok)).model_dump())
+
+
+def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
+    ctx.check_model(body.model)
+    check_tokenize_input(body)
+    warn_unknown_fields(body, "/tokenize")
+    tokenizer = ctx.tokenizer
+    if body.messages is not None:
+        # The chat endpoint's message rules (roles, text-only parts) apply here too.
+        conversation = [plain_message(i, m) for i, m in enumerate(body.messages)]
+        text = apply_chat_template(tokenizer, conversation, body.add_generation_prompt is not False)
+        tokens = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    else:
+        add_special = body.add_special_tokens is not False
+        tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
+    strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    out = TokenizeResponse(
+        count=len(tokens), max_model_len=ctx.engine.max_model_len, tokens=tokens,
+        token_strs=strs,
+    )  # fmt: skip
+    return JSONResponse(out.model_dump())

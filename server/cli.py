@@ -75,23 +75,27 @@ def _load_engine(config: EngineConfig, build: Callable[[Any], Any] | None = None
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, then the server's: each a field of `EngineConfig` or of
     `ServerConfig` (server/server_config.py), made from its declaration."""
+    from server.model_serving import keep_every_model
     from server.server_config import ServerConfig
 
     add_engine_arguments(parser)
     add_config_arguments(parser, ServerConfig, "server")
+    keep_every_model(parser)  # --model given more than once: several models
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """`pagedserve serve`: the configs the flags make (a bad value is a one-line error and
     exit status 2), then `run_serve`."""
+    from server.model_serving import several_models
     from server.server_config import ServerConfig
 
     try:
         engine = engine_config_from_args(args)
         server = config_from_args(ServerConfig, args)
+        models = several_models(server, getattr(args, "models", None))
     except ValueError as exc:
         return _error(exc)
-    return run_serve(server, engine)
+    return run_serve(server, engine, models)
 
 
 def run_replicas(server: ServerConfig, engine: EngineConfig) -> int:
@@ -148,9 +152,12 @@ def pin_prefixes(engine: Any, system_prompts: Sequence[str], prefixes: Sequence[
     return engine
 
 
-def run_serve(server: ServerConfig, engine_config: EngineConfig) -> int:
+def run_serve(
+    server: ServerConfig, engine_config: EngineConfig, models: tuple[str, ...] | None = None
+) -> int:
     """The server `server` describes over the engine `engine_config` describes, until
-    SIGTERM or Ctrl-C (then the process exits here); 2 if the engine cannot start."""
+    SIGTERM or Ctrl-C (then the process exits here); 2 if the engine cannot start.
+    `models`: serve several models (server/model_serving.py's `several_models`)."""
     if server.data_parallel_size > 1:
         return run_replicas(server, engine_config)
     from server.app import build_app
@@ -171,12 +178,22 @@ def run_serve(server: ServerConfig, engine_config: EngineConfig) -> int:
             log_interval_s=server.stats_interval,
         )
 
-    client = _load_engine(engine_config, load_on_the_engine_thread)
-    if client is None:
-        return 2
-    app = build_app(client, **server.app_options())
-    served_name = app.state.ctx.served_model_name
-    print(startup_banner(client.core, served_name, server.host, server.port), flush=True)
+    if models is not None:
+        from server.model_serving import models_banner, start_models
+
+        try:  # the default and pinned models load now; the others when asked for
+            client, router = start_models(server, engine_config, models, load_on_the_engine_thread)
+        except ValueError as exc:
+            return _error(exc)
+        app = build_app(client, models=router, **server.app_options())
+        print(models_banner(router, server.host, server.port), flush=True)
+    else:
+        client = _load_engine(engine_config, load_on_the_engine_thread)
+        if client is None:
+            return 2
+        app = build_app(client, **server.app_options())
+        served_name = app.state.ctx.served_model_name
+        print(startup_banner(client.core, served_name, server.host, server.port), flush=True)
     limits = clamp_to_open_files(server.connection_limits(), raise_open_file_limit())
     config = uvicorn_config(
         app, limits, host=server.host, port=server.port, log_level=server.log_level,

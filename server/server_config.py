@@ -37,6 +37,7 @@ ROUTERS = ("prefix", "default")
 CONNECTIONS = "connections (docs/limits.md)"
 SERVER = "server"
 REPLICAS = "replicas (Ray Serve)"
+MODELS = "several models (docs/models.md)"
 
 
 def _port(value: object) -> bool:
@@ -185,6 +186,36 @@ class ServerConfig:
         choices=ROUTERS,
         group=REPLICAS,
         help="with replicas: prefix-cache-aware (default) or Ray Serve's own",
+    )
+    # Several models in one server (server/model_router.py): a directory of them, or
+    # `--model` given more than once (server/model_serving.py checks these against it).
+    models_dir: str | None = flag(
+        None,
+        group=MODELS,
+        help="serve every .gguf file and model folder in this directory, each request by "
+        "the model its `model` field names, loaded on first use (the first --model, else "
+        "the first by name, is the default, loaded at start)",
+    )
+    max_loaded_models: int | None = flag(
+        None,
+        POSITIVE_INT,
+        group=MODELS,
+        help="models loaded at once; past it the least recently used is unloaded once its "
+        "requests end (default: no limit)",
+    )
+    models_memory: int | None = flag(
+        None,
+        BYTES,
+        group=MODELS,
+        help="bytes the loaded models may take, weight files + KV pools, e.g. 8GiB; past it "
+        "the least recently used is unloaded (default: no limit)",
+    )
+    pin: tuple[str, ...] = flag(
+        (),
+        TEXTS,
+        metavar="NAME",
+        group=MODELS,
+        help="load this model at start and never unload it; repeatable",
     )
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from engine import EngineConfig, SamplingParams
 from engine.config import flags_of
 from server.cli import build_parser, main
 from server.config_flags import config_from_args
-from server.server_config import CONNECTIONS, REPLICAS, SERVER, ServerConfig
+from server.server_config import CONNECTIONS, MODELS, REPLICAS, SERVER, ServerConfig
 from tests.server.conftest import make_engine, random_ids, sse_payloads, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def test_every_server_config_field_is_a_serve_flag_listed_with_its_help(capsys, 
         assert f" {name} " in words, name
         if flag.help:
             assert " ".join((flag.help % {"default": field.default}).split()) in words, name
-    assert sections == ["options", "engine", "server", CONNECTIONS, SERVER, REPLICAS]
+    assert sections == ["options", "engine", "server", CONNECTIONS, SERVER, REPLICAS, MODELS]
     args = build_parser().parse_args(["serve"])
     assert config_from_args(ServerConfig, args) == ServerConfig()
     engine_dests = {f.name for f in fields(EngineConfig)}
