@@ -56,7 +56,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", type=workload_list, default=["shared-prefix"],
                    help="comma-separated: shared-prefix, zipf-prefix, bursty-prefix, unique, "
-                   "multi-turn, copy-edit "
+                   "multi-turn, copy-edit, model-alternate, model-zipf "
                    "(default shared-prefix)")  # fmt: skip
     g.add_argument("--num-requests", type=_positive_int, default=64)
     g.add_argument("--prefix-len", type=int, default=500,
@@ -66,6 +66,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--question-len", type=_positive_int, default=16,
                    help="tokens of each question (after the prefix)")  # fmt: skip
     g.add_argument("--turns", type=_positive_int, default=4, help="multi-turn: turns each")
+    g.add_argument("--num-models", type=_positive_int, default=2,
+                   help="model-alternate, model-zipf: how many models the requests go to "
+                   "(the first N of --models)")  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     g.add_argument("--tokenizer",
                    help="HF dir or .gguf whose tokenizer measures prompt lengths "
@@ -95,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the server (default http://127.0.0.1:8000)")  # fmt: skip
     g.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    g.add_argument("--models", type=lambda text: tuple(n for n in text.split(",") if n),
+                   default=(), help="model-alternate, model-zipf: the models' names, "
+                   "comma-separated (default: those /v1/models lists, in its order)")  # fmt: skip
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as `Authorization: Bearer KEY` (default $OPENAI_API_KEY)")  # fmt: skip
     add_workload_arguments(parser)
@@ -266,6 +272,7 @@ def load_config_from_args(args: argparse.Namespace, base_url: str, model: str | 
         temperature=args.temperature,
         api_key=getattr(args, "api_key", None),
         seed=args.seed,
+        models=getattr(args, "models", ()),
         timeout_s=args.timeout,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
@@ -281,5 +288,6 @@ def workload_spec(args: argparse.Namespace, name: str) -> Any:
         num_prefixes=args.num_prefixes,
         question_len=args.question_len,
         turns=args.turns,
+        num_models=args.num_models,
         seed=args.seed,
     )

@@ -26,6 +26,9 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 class LoadConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None  # None: the first model /v1/models lists
+    # The model-* workloads' models, by index (bench/workloads.py); (): every model
+    # /v1/models lists, in its order.
+    models: tuple[str, ...] = ()
     endpoint: str = "completions"  # or "chat"
     max_tokens: int = 64
     concurrency: int | None = None  # requests (multi-turn: conversations) in flight at most
@@ -60,6 +63,7 @@ class RequestResult:
     text: str = ""
     error: str | None = None
     prompt: str | list[dict[str, Any]] | None = None  # what was sent (prompt or messages)
+    model: str | None = None  # the model it was sent to
 
 
 @dataclass
@@ -185,11 +189,27 @@ def arrival_delays(n: int, rate: float | None, seed: int) -> list[float]:
 
 async def discover_model(client: httpx.AsyncClient) -> str | None:
     """The first model /v1/models lists, or None (the request then names no model)."""
+    models = await discover_models(client)
+    return models[0] if models else None
+
+
+async def discover_models(client: httpx.AsyncClient) -> list[str]:
+    """Every model /v1/models lists, in its order ([] when it lists none or fails)."""
     try:
         response = await client.get("/v1/models")
-        return response.json()["data"][0]["id"] if response.status_code == 200 else None
+        if response.status_code != 200:
+            return []
+        return [str(card["id"]) for card in response.json()["data"]]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
+        return []
+
+
+def model_of(prompt: Prompt, model: str | None, models: Sequence[str]) -> str | None:
+    """The model a prompt goes to: its index into `models` (the model-* workloads), else
+    the run's one model."""
+    if prompt.model_index is None or not models:
+        return model
+    return models[prompt.model_index % len(models)]
 
 
 def make_client(cfg: LoadConfig, connections: int) -> httpx.AsyncClient:
@@ -252,11 +272,15 @@ async def run_load(
     connections = min(cfg.concurrency or max(len(work), 1), max(len(work), 1)) + 2
     progress = _Progress(num_requests, cfg.progress, desc)
     async with make_client(cfg, connections) as client:
-        model = cfg.model or await discover_model(client)
+        several = any(isinstance(w, Prompt) and w.model_index is not None for w in work)
+        models = list(cfg.models) or (await discover_models(client) if several else [])
+        model = cfg.model or (models[0] if models else await discover_model(client))
 
         async def one_prompt(prompt: Prompt) -> list[RequestResult]:
-            body = request_body(cfg, model, _as_chat(prompt.text) if is_chat else prompt.text)
+            to = model_of(prompt, model, models)
+            body = request_body(cfg, to, _as_chat(prompt.text) if is_chat else prompt.text)
             result = await send_request(client, cfg, body)
+            result.model = to
             progress.update()
             return [result]
 
@@ -279,7 +303,7 @@ async def run_load(
         finally:
             progress.close()
         duration = time.perf_counter() - start
-    return LoadRun(results, duration, model)
+    return LoadRun(results, duration, ",".join(models) if several else model)
 
 
 def _as_chat(text: str) -> list[dict[str, str]]:

@@ -1,6 +1,6 @@
 """Deterministic prompts of chosen token lengths for the load generator.
 
-Five workloads, all built from a fixed word list and a seed (same seed, same prompts):
+The workloads, all built from a fixed word list and a seed (same seed, same prompts):
 
 - `shared-prefix`: P groups; every prompt of a group is the group's long fixed prefix
   followed by a short question no other prompt has. Request i belongs to group i % P.
@@ -18,6 +18,10 @@ Five workloads, all built from a fixed word list and a seed (same seed, same pro
 - `copy-edit`: answers that repeat their prompt (issue 42's speculative-decoding load):
   each prompt holds a small Python file of its own (about 40 lines) and asks for the whole
   file back with one function renamed; `--prefix-len` and the question are not used.
+- `model-alternate`, `model-zipf`: the shared-prefix prompts sent to several models of one
+  server (issue 44's load: `serve --models-dir`, llama-server's router mode): request i
+  goes to model i % M, or to model m drawn with weight 1 / (m + 1); the load generator
+  maps the index to a name (`--models`, else the names /v1/models lists, in its order).
 
 Lengths are counted with the served model's tokenizer, loaded locally (other servers have
 no /tokenize route). A prefix is exactly `prefix_len` tokens; a question starts with a
@@ -31,9 +35,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn", "copy-edit")
+WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn", "copy-edit",
+             "model-alternate", "model-zipf")  # fmt: skip
+# Prompts sent to several models, each request to one (`Prompt.model_index`).
+MODEL_WORKLOADS = ("model-alternate", "model-zipf")
 # Prompts grouped by a shared prefix.
-PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix")
+PREFIX_WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", *MODEL_WORKLOADS)
 
 # Plain lower-case English words: each is one or two tokens in any byte-level BPE, so a
 # prompt's token count follows its word count closely and trimming is exact.
@@ -108,6 +115,7 @@ class Prompt:
 
     text: str
     group: int  # the shared prefix's group (shared-, zipf-prefix); the request index otherwise
+    model_index: int | None = None  # the model-* workloads: which of the models it goes to
 
 
 @dataclass
@@ -146,12 +154,13 @@ class WorkloadSpec:
     num_prefixes: int = 4
     question_len: int = 16
     turns: int = 4  # multi-turn only
+    num_models: int = 2  # model-alternate and model-zipf only
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.name!r}")
-        for name in ("num_requests", "num_prefixes", "question_len", "turns"):
+        for name in ("num_requests", "num_prefixes", "question_len", "turns", "num_models"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.prefix_len < 0:
@@ -184,6 +193,7 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
     prefixes = shared_prefixes(spec, tokenizer) if spec.name in PREFIX_WORKLOADS else None
     groups = {"zipf-prefix": zipf_groups, "bursty-prefix": shuffled_groups}.get(spec.name)
     groups = groups(spec) if groups is not None else None
+    models = model_indices(spec) if spec.name in MODEL_WORKLOADS else None
     prompts = []
     for i in range(spec.num_requests):
         question = question_text(tokenizer, _rng(spec, "question", i), i, spec.question_len)
@@ -193,8 +203,18 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
         else:
             group = i
             prefix = text_of_tokens(tokenizer, _rng(spec, "unique", i), spec.prefix_len)
-        prompts.append(Prompt(prefix + question, group))
+        prompts.append(Prompt(prefix + question, group, models[i] if models else None))
     return prompts
+
+
+def model_indices(spec: WorkloadSpec) -> list[int]:
+    """Each request's model: in turn (model-alternate), or model m drawn with weight
+    1 / (m + 1) (model-zipf: the first model hot, the last one cold)."""
+    if spec.name == "model-alternate":
+        return [i % spec.num_models for i in range(spec.num_requests)]
+    weights = [1.0 / (m + 1) for m in range(spec.num_models)]
+    return _rng(spec, "models").choices(range(spec.num_models), weights=weights,
+                                         k=spec.num_requests)  # fmt: skip
 
 
 def copy_edit_text(rng: random.Random, num_functions: int = 6) -> str:

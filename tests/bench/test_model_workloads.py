@@ -1,0 +1,86 @@
+"""The model-alternate and model-zipf workloads (issue 44): each request goes to one of
+several models of one server, named by /v1/models (or --models). No server runs: a canned
+one answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import httpx
+
+from bench import loadgen
+from bench.arguments import add_arguments, load_config_from_args, workload_spec
+from bench.loadgen import LoadConfig, run_load
+from bench.workloads import WorkloadSpec, build_prompts
+
+
+class Words:
+    """A tokenizer of one token per word: enough to build prompts of given lengths."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [hash(w) % 1000 for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join("w" for _ in ids)
+
+
+def test_model_alternate_takes_turns_and_model_zipf_favours_the_first() -> None:
+    spec = WorkloadSpec("model-alternate", num_requests=6, prefix_len=8, num_models=3)
+    assert [p.model_index for p in build_prompts(spec, Words())] == [0, 1, 2, 0, 1, 2]
+    zipf = WorkloadSpec("model-zipf", num_requests=300, prefix_len=8, num_models=3)
+    counts = Counter(p.model_index for p in build_prompts(zipf, Words()))
+    assert counts[0] > counts[1] > counts[2] > 0  # weights 1, 1/2, 1/3
+    assert build_prompts(zipf, Words()) == build_prompts(zipf, Words())  # seeded
+    assert build_prompts(WorkloadSpec("unique", 2, 8), Words())[0].model_index is None
+
+
+def canned_run(cfg: LoadConfig, spec: WorkloadSpec) -> tuple[list[str | None], loadgen.LoadRun]:
+    sent: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "a"}, {"id": "b"}, {"id": "c"}]})  # fmt: skip
+        sent.append(json.loads(request.content).get("model"))
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}],
+                                         "usage": {"completion_tokens": 1}})  # fmt: skip
+
+    real = loadgen.make_client
+
+    def mocked(cfg: LoadConfig, connections: int) -> httpx.AsyncClient:
+        client = real(cfg, connections)
+        client._transport = httpx.MockTransport(handler)
+        return client
+
+    loadgen.make_client = mocked
+    try:
+        run = asyncio.run(run_load(cfg, build_prompts(spec, Words())))
+    finally:
+        loadgen.make_client = real
+    return sent, run
+
+
+def test_requests_go_to_the_models_the_server_lists_in_turn() -> None:
+    cfg = LoadConfig(base_url="http://test", stream=False, concurrency=1, progress=False)
+    spec = WorkloadSpec("model-alternate", num_requests=4, prefix_len=8, num_models=2)
+    sent, run = canned_run(cfg, spec)
+    assert sent == ["a", "b", "a", "b"]
+    assert [r.model for r in run.results] == ["a", "b", "a", "b"] and run.model == "a,b,c"
+    named = LoadConfig(base_url="http://test", stream=False, concurrency=1, progress=False,
+                       models=("c", "a"))  # fmt: skip
+    assert canned_run(named, spec)[0] == ["c", "a", "c", "a"]
+    plain, _ = canned_run(cfg, WorkloadSpec("unique", num_requests=2, prefix_len=8))
+    assert plain == ["a", "a"]  # one model: the first listed, as before
+
+
+def test_the_flags() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "model-zipf", "--models", "x,y,z", "--num-models",
+                              "3"])  # fmt: skip
+    assert load_config_from_args(args, "http://h", None).models == ("x", "y", "z")
+    assert workload_spec(args, "model-zipf").num_models == 3
