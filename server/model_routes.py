@@ -75,17 +75,19 @@ def model_list(router: ModelRouter) -> RoutedModelList:
 def add_model_routes(app: FastAPI, router: ModelRouter) -> None:
     @app.get("/models", responses=responses(RoutedModelList, 401))
     async def models() -> Response:
-        """llama-server's list route: the same as /v1/models."""
+        """Several models (--models-dir): /v1/models, at llama-server's router's path."""
         return JSONResponse(model_list(router).model_dump())
 
     @app.post("/models/load", responses=responses(ModelActionResponse, 400, 401, 404, 503))
     async def load(body: ModelActionRequest) -> Response:
-        """Load a model now (a failed one is tried again); answers once it is loaded."""
+        """Several models (--models-dir): load a model now (a failed one is tried again);
+        answers once it is loaded."""
         entry = await router.load(body.model)
         return JSONResponse(ModelActionResponse(model=model_card(router, entry)).model_dump())
 
     @app.post("/models/unload", responses=responses(ModelActionResponse, 400, 401, 404))
     async def unload(body: ModelActionRequest) -> Response:
-        """Unload a model: its requests finish first; answers once it is unloaded."""
+        """Several models (--models-dir): unload a model once its requests end; answers
+        once it is unloaded."""
         entry = await router.unload(body.model)
         return JSONResponse(ModelActionResponse(model=model_card(router, entry)).model_dump())

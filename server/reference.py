@@ -136,8 +136,25 @@ def metric_families() -> list[tuple[str, str, list[str], str]]:
     metrics = ServerMetrics()
     metrics.set_execution_plan(dict.fromkeys(plan_labels(), ""))
     metrics.watch_kv_blocks(lambda: BlockCounts(free=1, cached=0, in_use=0))
+    return _families(metrics.registry) + model_families()
+
+
+def model_families() -> list[tuple[str, str, list[str], str]]:
+    """The families a server of several models adds (server/model_metrics.py), each with
+    a sample of a stand-in model so that its labels show."""
+    from server.model_metrics import ModelMetrics
+    from server.model_registry import ModelEntry
+
+    metrics = ModelMetrics(lambda: [ModelEntry("m", "", 0)])
+    metrics.on_loaded("m", 1.0)
+    metrics.on_unloaded("m")
+    metrics.on_load_failed("m")
+    return _families(metrics.registry)
+
+
+def _families(registry: Any) -> list[tuple[str, str, list[str], str]]:
     found = []
-    for family in metrics.registry.collect():
+    for family in registry.collect():
         labels: list[str] = []
         for sample in family.samples:
             labels += [name for name in sample.labels if name not in (*labels, "le")]
@@ -153,7 +170,9 @@ def metrics_section() -> list[str]:
         "",
         "`GET /metrics`: Prometheus text from `ServerMetrics` (`server/metrics.py`). Behind "
         "`--data-parallel-size` replicas every sample also carries a `replica` label "
-        "(`server/replicas/metrics.py`). Histograms add `_bucket`, `_sum` and `_count`.",
+        "(`server/replicas/metrics.py`); with several models (docs/models.md) every "
+        "engine sample carries a `model` label, and the `model*` families below are added. "
+        "Histograms add `_bucket`, `_sum` and `_count`.",
         "",
         "| metric | type | labels | meaning |",
         "| --- | --- | --- | --- |",

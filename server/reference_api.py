@@ -3,7 +3,9 @@ from the app's own OpenAPI schema (`GET /openapi.json`), so a route or field add
 app is in the reference once it is regenerated.
 
 The app is built over `StandInEngine`, which holds only the facts `/openapi.json` reads
-(the default model's name, vocabulary and context length): no model is loaded.
+(the default model's name, vocabulary and context length): no model is loaded. It has the
+routes of a server of several models too (server/model_routes.py), over a router of that
+one stand-in model, which never loads.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ class StandInEngine:
 
 def app_and_schema() -> tuple[Any, dict[str, Any]]:
     from server.app import build_app
+    from server.model_registry import ModelEntry, ModelRegistry
+    from server.model_router import ModelRouter
 
-    app = build_app(StandInEngine())  # type: ignore[arg-type]
+    stand_in = ModelRegistry([ModelEntry(StandInEngine.model_name, "", 0)])
+    router = ModelRouter(stand_in, loader=StandInEngine)  # type: ignore[arg-type]
+    app = build_app(StandInEngine(), models=router)  # type: ignore[arg-type]
     return app, app.openapi()
 
 
