@@ -154,7 +154,7 @@ def build_app(
     app.router.route_class = JsonBodyRoute  # before any route is added
     app.state.ctx = ctx
     install_error_handlers(app)
-    install_openapi(app, ctx)
+    install_openapi(app, ctx, models.registry.names if models is not None else None)
     _add_openai_routes(app, ctx, use, models)
     _add_server_routes(app, ctx, use)
     add_dashboard_routes(app, ctx)

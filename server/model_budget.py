@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import CPU_KV_MAX_FRACTION, EngineConfig
+from engine.default_model import DEFAULT_MODEL_NAME
 from engine.device import CPU_DEFAULT_KV_BYTES, available_ram
-from server.model_registry import ModelEntry, ModelState
+from server.model_registry import ModelEntry, ModelState, model_file
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def kv_pool_estimate(config: EngineConfig) -> int:
         return config.kv_cache_memory
     if config.num_blocks is None:
         return min(CPU_DEFAULT_KV_BYTES, int(available_ram() * CPU_KV_MAX_FRACTION))
-    shape = _kv_shape(Path(config.model or "").expanduser())
+    shape = _kv_shape(model_file(config.model or DEFAULT_MODEL_NAME))
     if shape is None:  # measured once it has loaded
         return 0
     per_block = config.kv_cache_bytes_per_block(*shape, _DTYPE_BYTES.get(config.dtype, 4))

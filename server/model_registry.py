@@ -9,6 +9,7 @@ registry only lists and looks up; server/model_router.py owns every state change
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +17,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from engine.default_model import DEFAULT_MODEL_NAME
 from server.errors import NOT_FOUND, OpenAIError
 
 WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
@@ -120,8 +122,19 @@ def model_name(path: str) -> str:
     return Path(path).expanduser().name.removesuffix(".gguf")
 
 
+def model_file(path: str) -> Path:
+    """Where a model's files are: its path, or the embedded default model's GGUF for its
+    name (which `--model` also takes)."""
+    if path == DEFAULT_MODEL_NAME:
+        from engine.loader import default_gguf_path
+
+        with contextlib.suppress(FileNotFoundError):
+            return default_gguf_path()
+    return Path(path).expanduser()
+
+
 def weights_bytes(path: Path) -> int:
-    """The bytes a model's weight files hold (0 for a name, such as the default model's)."""
+    """The bytes a model's weight files hold (0 when there are none to see)."""
     if path.is_file():
         return path.stat().st_size
     if path.is_dir():
@@ -149,4 +162,4 @@ def find_models(models_dir: str | None, model_paths: tuple[str, ...]) -> list[Mo
         given = {Path(p).expanduser().resolve() for p in model_paths}
         paths += [str(p) for p in sorted(folder.iterdir())
                   if _is_model(p) and p.resolve() not in given]  # fmt: skip
-    return [ModelEntry(model_name(p), p, weights_bytes(Path(p).expanduser())) for p in paths]
+    return [ModelEntry(model_name(p), p, weights_bytes(model_file(p))) for p in paths]

@@ -77,7 +77,11 @@ def responses(
     return documented
 
 
-def install_openapi(app: FastAPI, ctx: ServingContext) -> None:
+def install_openapi(
+    app: FastAPI, ctx: ServingContext, model_names: list[str] | None = None
+) -> None:
+    """`model_names`: the models a request may name (default: the one `ctx` serves)."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
@@ -85,7 +89,7 @@ def install_openapi(app: FastAPI, ctx: ServingContext) -> None:
                 description=app.description,
             )  # fmt: skip
             _drop_validation_errors(schema)
-            _fill_limits(schema, _limits(ctx))
+            _fill_limits(schema, _limits(ctx, model_names or [ctx.served_model_name]))
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -101,7 +105,7 @@ def _drop_validation_errors(schema: dict[str, Any]) -> None:
         components.pop(name, None)
 
 
-def _limits(ctx: ServingContext) -> dict[str, dict[str, Any]]:
+def _limits(ctx: ServingContext, model_names: list[str]) -> dict[str, dict[str, Any]]:
     vocab_size = ctx.engine.vocab_size
     # A prompt leaves room for at least one generated token.
     max_prompt_tokens = ctx.engine.max_model_len - 1
@@ -112,8 +116,8 @@ def _limits(ctx: ServingContext) -> dict[str, dict[str, Any]]:
         "max_tokens": {"maximum": max_prompt_tokens},
         "prompts": {"maxItems": ctx.max_seqs_per_request},
         "n": {"maximum": min(MAX_N, ctx.max_seqs_per_request)},
-        "model": {"enum": [ctx.served_model_name, None]},
-        "model_id": {"enum": [ctx.served_model_name]},
+        "model": {"enum": [*model_names, None]},
+        "model_id": {"enum": model_names},
     }
 
 

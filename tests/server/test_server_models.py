@@ -118,6 +118,8 @@ def test_the_models_are_listed_with_their_states(server: Server) -> None:
     card = server.http.get("/v1/models/alpha").json()
     assert (card["id"], card["object"], card["status"]["value"]) == ("alpha", "model", "loaded")
     assert server.http.get("/models").json()["data"][0]["id"] == "alpha"  # llama-server's route
+    schema = server.http.get("/openapi.json").json()["components"]["schemas"]
+    assert "gamma" in schema["CompletionRequest"]["properties"]["model"]["enum"]  # all named
 
 
 def test_an_unknown_model_is_an_openai_404(server: Server) -> None:
