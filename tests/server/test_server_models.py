@@ -95,11 +95,13 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(models_dir: Path) -> Iterator[Server]:
+def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = ServerConfig(models_dir=str(models_dir), max_loaded_models=2,
                           models_memory=GiB, pin=("alpha",))  # fmt: skip
     loader = GatedLoader()
-    client, router = start_models(config, EngineConfig(**ENGINE), (), loader)
+    # Each model with a KV tier of its own, under a cache dir of this test's.
+    tiers = {"kv_offload_bytes": 4 << 20, "cache_dir": str(tmp_path_factory.mktemp("cache"))}
+    client, router = start_models(config, EngineConfig(**ENGINE, **tiers), (), loader)
     thread = _UvicornThread(build_app(client, models=router))
     thread.start()
     try:
@@ -190,6 +192,16 @@ def test_an_unload_drains_the_requests_in_flight(server: Server, server_log: lis
     assert sum(len(c.choices[0].text) > 0 for c in chunks) > 100
     drains = [r.getMessage() for r in server_log if "unloading model beta" in r.getMessage()]
     assert drains and "1 request(s) to finish first" in drains[-1]
+
+
+def test_a_model_finds_its_prefix_cache_in_its_tier_when_it_returns(server: Server) -> None:
+    server.complete("gamma")
+    prompt = random_ids(11, 70)  # 4 full blocks of 16 tokens
+    first = server.sdk.completions.create(model="gamma", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert server.http.post("/models/unload", json={"model": "gamma"}).status_code == 200
+    again = server.sdk.completions.create(model="gamma", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64  # saved at unload, reread
 
 
 def test_the_load_and_unload_routes(server: Server) -> None:
