@@ -11,8 +11,10 @@ the state it needs first (xdist may run them in any order).
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -169,12 +171,15 @@ def test_past_max_loaded_models_the_least_recently_used_unloads(server: Server) 
     server.unload_quietly("gamma")
     server.complete("beta")  # alpha (pinned) + beta: the budget's two models
     unloads = server.metric("pagedserve:model_unloads_total", model="beta")
+    beta_core = weakref.ref(server.router.registry.named("beta").client.core)
     assert server.complete("gamma").model == "gamma"
     states = server.states()
     assert (states["alpha"]["value"], states["beta"]["value"], states["gamma"]["value"]) == (
         "loaded", "unloaded", "loaded")  # fmt: skip
     assert server.metric("pagedserve:model_unloads_total", model="beta") == unloads + 1
     assert server.metric("pagedserve:models_loaded") == 2
+    gc.collect()
+    assert beta_core() is None  # nothing holds the unloaded engine: its memory is given back
 
 
 def test_an_unload_drains_the_requests_in_flight(server: Server, server_log: list) -> None:
