@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -37,6 +42,7 @@ from tests.server.conftest import _UvicornThread, assert_openai_error, random_id
 ENGINE = {"dtype": "float32", "device": "cpu", "block_size": 16, "num_blocks": 64,
           "max_num_seqs": 8, "max_num_batched_tokens": 256, "seed": 0}  # fmt: skip
 GiB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
 
 
 class GatedLoader:
@@ -261,3 +267,42 @@ def test_the_flags() -> None:
     with pytest.raises(ValueError, match="served_model_name"):
         several_models(ServerConfig(models_dir="/m", served_model_name="x"), None)
     assert not hasattr(build_parser().parse_args(["serve"]), "models")
+
+
+def test_the_serve_command_serves_each_model_given(models_dir: Path) -> None:
+    """`pagedserve serve --model A --model B`: the CLI's path, in a process of its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(models_dir / "beta"), "--model",
+         str(models_dir / "alpha"), "--max-loaded-models", "1", "--port", str(port),
+         "--log-level", "warning", "--dtype", "float32", "--num-blocks", "64"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: _healthy(url) or proc.poll() is not None, 120, "no server")
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "alpha", "prompt": random_ids(9, 8), "max_tokens": 2})  # fmt: skip
+        assert answer.status_code == 200 and answer.json()["model"] == "alpha", answer.text
+        states = {c["id"]: c["status"] for c in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert set(states) == {"alpha", "beta"} and states["beta"]["default"]
+        assert (states["alpha"]["value"], states["beta"]["value"]) == ("loaded", "unloaded")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        output = proc.stdout.read()
+        assert "2 models (beta, alpha), default beta" in output, output
+        assert "Traceback" not in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
