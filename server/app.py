@@ -156,7 +156,7 @@ def build_app(
     install_error_handlers(app)
     install_openapi(app, ctx, models.registry.names if models is not None else None)
     _add_openai_routes(app, ctx, use, models)
-    _add_server_routes(app, ctx, use)
+    _add_server_routes(app, ctx, use, models)
     add_dashboard_routes(app, ctx)
     if models is not None:
         add_model_routes(app, models)
@@ -303,7 +303,9 @@ def _add_openai_routes(
         return JSONResponse(model_card().model_dump())
 
 
-def _add_server_routes(app: FastAPI, ctx: ServingContext, use: UseModel) -> None:
+def _add_server_routes(
+    app: FastAPI, ctx: ServingContext, use: UseModel, models: ModelRouter | None
+) -> None:
     @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health() -> Response:
         if not ctx.engine.is_alive:
@@ -332,11 +334,13 @@ def _add_server_routes(app: FastAPI, ctx: ServingContext, use: UseModel) -> None
 
     @app.post("/reset_prefix_cache", responses=responses(ResetPrefixCacheResponse, 401, 503))
     async def reset_prefix_cache() -> Response:
+        # Several models: every loaded model's cache (each refuses while it is busy).
+        engines = [e.client for e in models.loaded()] if models is not None else [ctx.engine]
         try:
-            ok = await ctx.engine.call(lambda core: core.reset_prefix_cache())
+            ok = [await engine.call(lambda core: core.reset_prefix_cache()) for engine in engines]
         except EngineDeadError as exc:
             raise engine_dead(str(exc)) from exc
-        return JSONResponse(ResetPrefixCacheResponse(success=bool(ok)).model_dump())
+        return JSONResponse(ResetPrefixCacheResponse(success=all(ok)).model_dump())
 
 
 def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:

@@ -154,6 +154,12 @@ def test_requests_route_by_model_and_load_on_first_use(server: Server) -> None:
     assert server.metric("pagedserve:generation_tokens_total", model="beta") >= 6
     kv = server.router.registry.named("beta").client.core.kv_cache_manager
     wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 10, "beta's blocks come back")
+    # /reset_prefix_cache resets every loaded model's cache, beta's too.
+    prompt = random_ids(12, 40)
+    server.sdk.completions.create(model="beta", prompt=prompt, max_tokens=2)
+    assert server.http.post("/reset_prefix_cache").json()["success"] is True
+    again = server.sdk.completions.create(model="beta", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_load_keeps_the_other_models_serving(server: Server) -> None:
