@@ -184,10 +184,13 @@ class ModelRouter:
             entry.state = ModelState.LOADING
         logger.info("loading model %s (%s)", entry.name, entry.path)
         start = time.monotonic()
+        client = None
         try:
             client = await asyncio.to_thread(self._loader, entry)
             await client.start()
         except Exception as exc:  # noqa: BLE001 - any loader failure fails this model only
+            if client is not None:  # built, but it would not start: stop its thread
+                client.begin_shutdown()
             self._fail(entry, load_failed(entry.name, exc))
             self.metrics.on_load_failed(entry.name)
             raise entry.error from exc  # type: ignore[misc]
@@ -239,7 +242,10 @@ class ModelRouter:
             await asyncio.sleep(DRAIN_POLL_S)
         stopping = [entry.client]  # the only reference left, so `_stop` frees it
         entry.client = entry.context = None
-        await asyncio.to_thread(_stop, stopping)
+        try:
+            await asyncio.to_thread(_stop, stopping)
+        except Exception:  # its thread is told to stop either way: the model is unloaded
+            logger.exception("model %s: its engine did not stop cleanly", entry.name)
         entry.state = ModelState.UNLOADED
         self.metrics.on_unloaded(entry.name)
         logger.info("unloaded model %s", entry.name)
