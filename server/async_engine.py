@@ -30,6 +30,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,10 @@ from server.engine_client import (
 from server.engine_loop import EngineLoop, LoopCallbacks
 from server.grammar_compiler import GrammarCompiler
 from server.metrics import RequestTimes, ServerMetrics, StatsLogger
+
+
+def _kv_blocks_of(core: EngineCore | None) -> Any:
+    return core.kv_blocks if core is not None else None
 
 
 class RequestStream:
@@ -119,7 +124,10 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         # /metrics reads the pool's block counts the core last published (an immutable
         # object it replaces), so they are right before the first step and after aborts.
-        self.metrics.watch_kv_blocks(lambda: core.kv_blocks)
+        # Through a weak reference: the metrics are a reference cycle (their registry), and
+        # must not keep the core (weights, KV pool) alive once this client is dropped.
+        core_ref = weakref.ref(core)
+        self.metrics.watch_kv_blocks(lambda: _kv_blocks_of(core_ref()))
         self.metrics.set_execution_plan(core.plan.info())
         callbacks = LoopCallbacks(self._on_outputs, self._fail_requests, self._fail_all)
         self._engine = EngineLoop(core, self.metrics, StatsLogger(log_interval_s), callbacks)

@@ -91,6 +91,13 @@ class LoopCallbacks:
     on_dead: Callable[[EngineDeadError], None]  # everything in flight ends with it
 
 
+def _ignore(*_: Any) -> None:
+    pass
+
+
+_DETACHED = LoopCallbacks(_ignore, _ignore, _ignore)  # a stopped loop's: nothing to report
+
+
 class EngineLoop:
     """The engine thread and its command queue. Its public methods are called from the
     event loop (or any thread); the rest runs on the engine thread."""
@@ -233,6 +240,10 @@ class EngineLoop:
             core.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+        # The callbacks are bound methods of the client that owns this loop: dropped, the
+        # pair is no reference cycle, and the model's memory goes with the client, without
+        # waiting for a full garbage collection (an unloaded model: server/model_router.py).
+        self._callbacks = _DETACHED
 
     def _idle(self) -> bool:
         """Nothing to step: no unfinished request, or a failed step's siblings are still

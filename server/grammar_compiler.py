@@ -92,6 +92,29 @@ class _Job:
         self.started_at = 0.0  # time.monotonic() when it was taken
 
 
+def _run(job: _Job, thread: threading.Thread) -> None:
+    job.thread, job.started_at = thread, time.monotonic()
+    if not job.future.set_running_or_notify_cancel():
+        return  # its waiter gave up on it
+    # The function (a bound method of an engine core) is let go before the waiter wakes:
+    # the job outlives the call, and an unloaded model's core must not (model_router.py).
+    fn, args, job.fn, job.args = job.fn, job.args, _spent, ()
+    error: BaseException | None = None
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+        result, error = None, exc
+    del fn, args
+    if error is not None:
+        job.future.set_exception(error)
+    else:
+        job.future.set_result(result)
+
+
+def _spent(*_: Any) -> None:
+    """A job's function once it has been called."""
+
+
 class GrammarCompiler:
     """One compile thread; `run` awaits a compile from the event loop (one loop only)."""
 
@@ -129,15 +152,8 @@ class GrammarCompiler:
             job = self._queue.get()
             if job is None:
                 return
-            job.thread, job.started_at = me, time.monotonic()
-            if not job.future.set_running_or_notify_cancel():
-                continue  # its waiter gave up on it
-            try:
-                result = job.fn(*job.args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                job.future.set_exception(exc)
-            else:
-                job.future.set_result(result)
+            _run(job, me)
+            del job  # not kept while the next one is awaited (see `_run`)
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue work on the compile thread without waiting (e.g. a warm-up)."""

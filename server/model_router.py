@@ -22,7 +22,6 @@ engine's own count covers it from then on, streams included), so a drain sees it
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -240,20 +239,19 @@ class ModelRouter:
                     entry.num_in_flight)  # fmt: skip
         while entry.num_in_flight and entry.client.is_alive:
             await asyncio.sleep(DRAIN_POLL_S)
-        stopping = [entry.client]  # the only reference left, so `_stop` frees it
-        entry.client = entry.context = None
+        client, entry.client, entry.context = entry.client, None, None
         try:
-            await asyncio.to_thread(_stop, stopping)
+            await asyncio.to_thread(client.shutdown)
         except Exception:  # its thread is told to stop either way: the model is unloaded
             logger.exception("model %s: its engine did not stop cleanly", entry.name)
+        # The last reference: no reference cycle holds an engine (server/engine_loop.py,
+        # server/async_engine.py), so its weights and KV pool go now, or once its grammar
+        # compiler's warm-up, if still running, ends; a full garbage collection here took
+        # ~0.3 s of every swap and freed nothing more.
+        del client
         entry.state = ModelState.UNLOADED
         self.metrics.on_unloaded(entry.name)
         logger.info("unloaded model %s", entry.name)
-
-
-def _stop(stopping: list[EngineClient]) -> None:
-    stopping.pop().shutdown()
-    gc.collect()  # the model's tensors sit in reference cycles: give their memory back now
 
 
 def load_failed(name: str, exc: BaseException) -> OpenAIError:
