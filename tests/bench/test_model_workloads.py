@@ -84,3 +84,20 @@ def test_the_flags() -> None:
                               "3"])  # fmt: skip
     assert load_config_from_args(args, "http://h", None).models == ("x", "y", "z")
     assert workload_spec(args, "model-zipf").num_models == 3
+
+
+def test_the_swap_in_bench_serves_a_directory_of_links_with_room_for_one(tmp_path) -> None:
+    from bench.swap_in import link_models, llama_server_argv, pagedserve_argv
+
+    files = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for f in files:
+        f.write_bytes(b"GGUF")
+    folder = link_models(files, tmp_path / "models")
+    assert sorted(p.name for p in folder.iterdir()) == ["a.gguf", "b.gguf"]
+    assert (folder / "a.gguf").resolve() == files[0].resolve()
+    ours = pagedserve_argv(folder, 9, 4096, ["--dtype", "float32"])
+    assert ours[ours.index("--max-loaded-models") + 1] == "1"
+    assert ours[-2:] == ["--dtype", "float32"]
+    assert ours[ours.index("--num-blocks") + 1] == "256"  # the same KV budget: 4096 tokens
+    peer = llama_server_argv(tmp_path / "llama-server", folder, 9, 4096, [])
+    assert peer[peer.index("--models-max") + 1] == "1" and peer[peer.index("-c") + 1] == "4096"
