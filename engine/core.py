@@ -58,13 +58,18 @@ SPEC_MAX_ROWS = 16
 
 class EngineCore:
     def __init__(
-        self, config: ResolvedConfig, kv_event_listener: Callable[[Any], None] | None = None
+        self,
+        config: ResolvedConfig,
+        kv_event_listener: Callable[[Any], None] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """`kv_event_listener` hears the prefix cache's block events (`kv_cache`'s
-        BlockStored / BlockRemoved / AllBlocksCleared), on the thread that steps."""
+        BlockStored / BlockRemoved / AllBlocksCleared), on the thread that steps.
+        `tokenizer`: this model's, loaded before (a server of several models keeps it
+        while the model is unloaded: reading it was most of a small model's load)."""
         start = time.perf_counter()
         engine = config.engine
-        self.tokenizer = load_tokenizer(config.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
         self.model_name = engine.served_name(config.model_dir)
         self.eos_token_ids = load_generation_eos(config.model_dir, self.tokenizer)
         torch.manual_seed(engine.seed)
@@ -116,9 +121,12 @@ class EngineCore:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, kv_event_listener: Callable[[Any], None] | None = None
+        cls,
+        config: EngineConfig,
+        kv_event_listener: Callable[[Any], None] | None = None,
+        tokenizer: Any = None,
     ) -> EngineCore:
-        return cls(ResolvedConfig.resolve(config), kv_event_listener)
+        return cls(ResolvedConfig.resolve(config), kv_event_listener, tokenizer)
 
     # -- facts ----------------------------------------------------------------------------
 

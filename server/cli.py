@@ -169,11 +169,13 @@ def run_serve(
     )
     from engine.core import EngineCore
 
-    def load_on_the_engine_thread(config: Any) -> AsyncEngine:
+    def load_on_the_engine_thread(config: Any, tokenizer: Any = None) -> AsyncEngine:
         # One thread for all torch work: one OpenMP team (server/async_engine.py says why).
         return AsyncEngine.load(
             lambda: pin_prefixes(
-                EngineCore.from_config(config), server.pin_system_prompt, server.pin_prefix
+                EngineCore.from_config(config, tokenizer=tokenizer),
+                server.pin_system_prompt,
+                server.pin_prefix,
             ),
             log_interval_s=server.stats_interval,
         )

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.02  # how often a draining model's in-flight count is looked at
 
-Loader = Callable[[ModelEntry], EngineClient]  # builds a model's engine (blocking)
+# Builds a model's engine (blocking), with `entry.tokenizer` when it has one.
+Loader = Callable[[ModelEntry], EngineClient]
 ContextFactory = Callable[[EngineClient, str], Any]  # its ServingContext (server/app.py)
 
 
@@ -197,6 +198,7 @@ class ModelRouter:
 
     def _loaded(self, entry: ModelEntry, client: EngineClient, seconds: float) -> None:
         entry.client, entry.context, entry.error = client, None, None
+        entry.tokenizer = client.tokenizer
         entry.kv_bytes = measured_kv_bytes(client) or entry.kv_bytes
         entry.state, entry.load_seconds = ModelState.LOADED, seconds
         entry.last_used = time.monotonic()

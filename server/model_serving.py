@@ -66,18 +66,21 @@ def start_models(
     server: Any,
     engine: EngineConfig,
     models: tuple[str, ...],
-    build: Callable[[EngineConfig], EngineClient],
+    build: Callable[[EngineConfig, Any], EngineClient],
 ) -> tuple[RouterEngine, ModelRouter]:
     """The router over `models` and those of `server.models_dir`, its default and pinned
-    models loaded (`build(config)` loads one); ValueError naming what is wrong (a bad
-    directory, an unknown pin, a default model that does not load or fit)."""
+    models loaded (`build(config, tokenizer)` loads one, with the tokenizer of its last
+    load or None); ValueError naming what is wrong (a bad directory, an unknown pin, a
+    default model that does not load or fit)."""
     registry = ModelRegistry(find_models(server.models_dir, models))
     for entry in registry:
         entry.kv_bytes = kv_pool_estimate(_config_of(engine, entry))
     for name in server.pin:
         registry.named(name).pinned = True
     budget = ModelBudget(server.max_loaded_models, server.models_memory)
-    router = ModelRouter(registry, lambda entry: build(_config_of(engine, entry)), budget)
+    router = ModelRouter(
+        registry, lambda entry: build(_config_of(engine, entry), entry.tokenizer), budget
+    )
     for entry in [registry.default, *(e for e in registry if e.pinned)]:
         if entry.client is None:
             _load_at_start(router, entry)

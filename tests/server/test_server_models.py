@@ -50,11 +50,12 @@ class GatedLoader:
     def __init__(self) -> None:
         self.gates: dict[str, threading.Event] = {}
 
-    def __call__(self, config: EngineConfig) -> AsyncEngine:
+    def __call__(self, config: EngineConfig, tokenizer: Any) -> AsyncEngine:
         gate = self.gates.get(Path(config.model or "").name)
         if gate is not None:
             assert gate.wait(30), "the test never opened the gate"
-        return AsyncEngine.load(lambda: EngineCore.from_config(config), log_interval_s=60)
+        build = lambda: EngineCore.from_config(config, tokenizer=tokenizer)  # noqa: E731
+        return AsyncEngine.load(build, log_interval_s=60)
 
 
 class Server:
@@ -220,9 +221,11 @@ def test_a_model_finds_its_prefix_cache_in_its_tier_when_it_returns(server: Serv
     prompt = random_ids(11, 70)  # 4 full blocks of 16 tokens
     first = server.sdk.completions.create(model="gamma", prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+    tokenizer = server.router.registry.named("gamma").client.tokenizer
     assert server.http.post("/models/unload", json={"model": "gamma"}).status_code == 200
     again = server.sdk.completions.create(model="gamma", prompt=prompt, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 64  # saved at unload, reread
+    assert server.router.registry.named("gamma").client.tokenizer is tokenizer  # kept, not reread
 
 
 def test_the_load_and_unload_routes(server: Server) -> None:
