@@ -98,10 +98,11 @@ class ModelRegistry:
         return list(self._entries)
 
     def find(self, name: str | None) -> ModelEntry:
-        """The model a request names (None: the default); an OpenAI 404 if none is."""
+        """The model a request names (None: the default), by its name or a GGUF's file
+        name (`x.gguf`, as clients of llama-server may send it); an OpenAI 404 if none is."""
         if name is None:
             return self.default
-        entry = self._entries.get(name)
+        entry = self._entries.get(name) or self._entries.get(name.removesuffix(".gguf"))
         if entry is None:
             shown = ", ".join(self.names[:20]) + (", ..." if len(self) > 20 else "")
             raise OpenAIError(

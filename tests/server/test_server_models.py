@@ -127,6 +127,7 @@ def test_the_models_are_listed_with_their_states(server: Server) -> None:
     assert states["huge"]["memory_bytes"] > 2 * GiB  # its weights and its KV pool
     card = server.http.get("/v1/models/alpha").json()
     assert (card["id"], card["object"], card["status"]["value"]) == ("alpha", "model", "loaded")
+    assert server.http.get("/v1/models/alpha.gguf").json()["id"] == "alpha"  # a file's name
     assert server.http.get("/models").json()["data"][0]["id"] == "alpha"  # llama-server's route
     schema = server.http.get("/openapi.json").json()["components"]["schemas"]
     assert "gamma" in schema["CompletionRequest"]["properties"]["model"]["enum"]  # all named
