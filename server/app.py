@@ -157,7 +157,7 @@ def build_app(
     install_openapi(app, ctx, models.registry.names if models is not None else None)
     _add_openai_routes(app, ctx, use, models)
     _add_server_routes(app, ctx, use, models)
-    add_dashboard_routes(app, ctx)
+    add_dashboard_routes(app, ctx, models.loaded_context if models is not None else None)
     if models is not None:
         add_model_routes(app, models)
     # The last added middleware runs first: refuse a bad key before reading any body.

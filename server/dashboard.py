@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from importlib import resources
@@ -188,30 +189,49 @@ class DashboardSnapshots:
         return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
 
 
-def _refuse_query(request: Request, hint: str) -> None:
-    """Neither route takes query parameters: say so rather than ignore one."""
-    if request.query_params:
-        name = next(iter(request.query_params))
-        raise bad_request(f"unknown query parameter '{name}': {hint}", param=name)
+def _refuse_query(request: Request, hint: str, allowed: tuple[str, ...] = ()) -> None:
+    """Neither route takes query parameters (but `allowed`): say so rather than ignore one."""
+    for name in request.query_params:
+        if name not in allowed:
+            raise bad_request(f"unknown query parameter '{name}': {hint}", param=name)
 
 
-def add_dashboard_routes(app: FastAPI, ctx: ServingContext) -> None:
+# A server of several models: the context of the loaded model `?model=` names (None: the
+# default), an OpenAI error if it names none or one not loaded (server/model_router.py).
+PickModel = Callable[[str | None], ServingContext]
+
+
+def add_dashboard_routes(
+    app: FastAPI, ctx: ServingContext, pick_model: PickModel | None = None
+) -> None:
     snapshots = DashboardSnapshots(ctx)
+    allowed = ("model",) if pick_model is not None else ()
+    takes = "?model=NAME" if allowed else "none"
+    per_model: dict[str, DashboardSnapshots] = {}  # by model, while its context lasts
+
+    def snapshots_for(request: Request) -> DashboardSnapshots:
+        if pick_model is None:
+            return snapshots
+        model_ctx = pick_model(request.query_params.get("model"))
+        found = per_model.get(model_ctx.served_model_name)
+        if found is None or found._ctx is not model_ctx:  # new, or loaded again since
+            found = per_model[model_ctx.served_model_name] = DashboardSnapshots(model_ctx)
+        return found
 
     # Left out of /openapi.json: a page for people, like /docs.
     @app.get(PAGE_PATH, response_class=HTMLResponse, include_in_schema=False)
     async def dashboard_page(request: Request) -> Response:
-        hint = f"{PAGE_PATH} takes none"
+        hint = f"{PAGE_PATH} takes {takes}"
         if "key" in request.query_params:  # a query string lands in access logs
             hint = f"give the API key after '#' instead: {PAGE_PATH}#key=..."
-        _refuse_query(request, hint)
+        _refuse_query(request, hint, allowed)
         return HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-store"})
 
     @app.get(STATE_PATH, responses=responses(DashboardState, 400, 401, 501, 503))
     async def dashboard_state(request: Request) -> Response:
         """The KV block pool now (at most SNAPSHOT_INTERVAL_S old), for the /dashboard page."""
-        _refuse_query(request, f"{STATE_PATH} takes none")
-        body = await snapshots.latest()
+        _refuse_query(request, f"{STATE_PATH} takes {takes}", allowed)
+        body = await snapshots_for(request).latest()
         return Response(
             body, media_type=JSONResponse.media_type, headers={"Cache-Control": "no-store"}
         )

@@ -133,6 +133,21 @@ class ModelRouter:
         await self._unload(entry)
         return entry
 
+    def loaded_context(self, name: str | None) -> Any:
+        """The ServingContext of a loaded model (None: the default), never loading it (the
+        dashboard's); 503 when it is not loaded."""
+        entry = self.registry.find(name)
+        if entry.state is not ModelState.LOADED:
+            raise OpenAIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"Model {entry.name} is {entry.state.value}: only a loaded model's block pool "
+                "can be shown.",
+                type=SERVER_ERROR,
+                param="model",
+                code="model_not_loaded",
+            )
+        return self._context(entry)
+
     def _context(self, entry: ModelEntry) -> Any:
         if entry.context is None:
             assert self._make_context is not None, "bind() the router to an app first"

@@ -3,9 +3,9 @@
 Generation, tokenizing and counting go to each model's own engine (server/model_router.py
 hands every request its model's ServingContext). What is left is server-wide: /health
 (up while the server is, whichever models are loaded), /metrics (every model's, see
-server/model_metrics.py), the SIGTERM drain (every loaded model drains), and the
-dashboard, which shows the default model's pool (/reset_prefix_cache resets every loaded
-model's, server/app.py). The default model's facts (name, context length, vocabulary,
+server/model_metrics.py), the SIGTERM drain (every loaded model drains), and `call`,
+which reaches the default model's core (the dashboard and /reset_prefix_cache choose
+their models themselves, server/app.py). The default model's facts (name, context length, vocabulary,
 tokenizer) are the ones this client reports, taken when it first loaded.
 """
 
@@ -107,7 +107,7 @@ class RouterEngine:
         raise RuntimeError("grammars compile on their model's engine (ModelRouter.use)")
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn on the default model's core (the dashboard)."""
+        """Run fn on the default model's core."""
         default = self.router.registry.default
         if default.state is not ModelState.LOADED:
             raise EngineDeadError(f"the default model {default.name} is {default.state.value}")

@@ -320,3 +320,18 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_dashboard_shows_the_loaded_model_it_names(server: Server) -> None:
+    server.sdk.completions.create(model="beta", prompt=random_ids(14, 40), max_tokens=2)
+    beta = server.http.get("/dashboard/state", params={"model": "beta"}).json()
+    alpha = server.http.get("/dashboard/state").json()  # the default model's
+    queries = server.metric("pagedserve:prefix_cache_queries_total", model="beta")
+    assert beta["prefix_cache"]["queries"] == queries != alpha["prefix_cache"]["queries"]
+    assert beta["num_blocks"] == 64
+    assert_openai_error(server.http.get("/dashboard/state", params={"model": "nope"}), 404)
+    server.unload_quietly("gamma")
+    unloaded = server.http.get("/dashboard/state", params={"model": "gamma"})
+    assert assert_openai_error(unloaded, 503, "model")["code"] == "model_not_loaded"
+    assert server.http.get("/dashboard", params={"model": "beta"}).status_code == 200
+    assert_openai_error(server.http.get("/dashboard/state", params={"x": "1"}), 400, "x")
