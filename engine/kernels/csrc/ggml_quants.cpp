@@ -611,6 +611,12 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVNNI = true;
+#else
+constexpr bool kVNNI = false;
+#endif
+
 // 8 int32 sums of 4 u8 * s8 products each, added to acc (AVX512-VNNI where compiled for).
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -618,6 +624,25 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
 #else
   return _mm256_add_epi32(acc, dot_us(u, s));
 #endif
+}
+
+// Without VNNI an integer dot is two multiplies (maddubs, then madd to widen its int16 pair
+// sums) and an add, and the multiplies share two ports: at 4+ activation rows (batched
+// decode, prefill) that is the bound. Where the weights' values are small, maddubs's pair
+// sums are added as int16 first and widened once: a pair of 4-bit values times int8
+// activations (within +-127) is within 2 x 15 x 127 = 3,810, so 8 of them fit an int16;
+// 5-bit ones (7,874) 4, 6-bit ones (16,002) 2. Integer sums either way: the same bits.
+inline __m256i dot4_16(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+inline __m256i dot4_16_add(__m256i acc16, __m256i u, __m256i s) {
+  return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(u, s));
+}
+inline __m256i widen_add(__m256i acc, __m256i sum16) {  // acc + the int16 pairs' sums
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
+}
+// An int32 lane's value (within int16) in both its int16 halves, for madd to multiply a
+// lane's int16 pair sums by it and add them: one multiply for the scale and the widening.
+inline __m256i both_halves(__m256i v) {
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
@@ -705,9 +730,18 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
           sum = _mm256_setzero_si256();
           for (int j = 0; j < 8; ++j)
             sum = _mm256_add_epi32(sum, dot_us(u[j], _mm256_sign_epi8(broadcast4(xb->q + 4 * j), q[j])));
-        } else {
+        } else if constexpr (kVNNI) {
           sum = _mm256_set1_epi32(-x_offset<L>() * xb->qsum);  // (q - o) . x
           for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<L>(j)));
+        } else {  // Q4 and Q5 (Q8 is signed_q here): int16 sums of 8 and 4 (see dot4_16)
+          constexpr int fit = L == Legacy::Q4 ? 8 : 4;
+          sum = _mm256_set1_epi32(-x_offset<L>() * xb->qsum);
+          for (int j0 = 0; j0 < 8; j0 += fit) {
+            __m256i s16 = dot4_16(u[j0], broadcast4(xb->q + x_at<L>(j0)));
+            for (int j = j0 + 1; j < j0 + fit; ++j)
+              s16 = dot4_16_add(s16, u[j], broadcast4(xb->q + x_at<L>(j)));
+            sum = widen_add(sum, s16);
+          }
         }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                  _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[m]);
@@ -739,24 +773,46 @@ void groups_dot_q4_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
         // The column after next, every line of it (every other line: 1.24x slower).
         for (int k = 0; k < 256; k += 64)
           _mm_prefetch((const char*)(qs + 2 * kQ4KColumn + 256 * j + k), _MM_HINT_T0);
+        // VNNI: int32 sums; else int16 pair sums (8 of 4-bit values fit, see dot4_16)
         __m256i lo_sum[MT], hi_sum[MT];
         for (int m = 0; m < MT; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t) {
+        auto add_lane = [&](int t) {
           const __m256i v = load32(qs + 32 * (8 * j + t));
           const __m256i lo = _mm256_and_si256(v, low);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int m = 0; m < MT; ++m) {
             const int8_t* xq = x[m * xstride + b].q + 64 * j + 4 * t;
-            lo_sum[m] = dot4_add(lo_sum[m], lo, broadcast4(xq));
-            hi_sum[m] = dot4_add(hi_sum[m], hi, broadcast4(xq + 32));
+            if constexpr (kVNNI) {
+              lo_sum[m] = dot4_add(lo_sum[m], lo, broadcast4(xq));
+              hi_sum[m] = dot4_add(hi_sum[m], hi, broadcast4(xq + 32));
+            } else {
+              lo_sum[m] = dot4_16_add(lo_sum[m], lo, broadcast4(xq));
+              hi_sum[m] = dot4_16_add(hi_sum[m], hi, broadcast4(xq + 32));
+            }
           }
+        };
+        if constexpr (MT >= 3) {
+          // Unrolled, GCC reorders the int16 adds into a tree and spills every product
+          // to the stack at 3-4 rows (1.2x slower); rolled, the sums stay in registers.
+#pragma GCC unroll 1
+          for (int t = 0; t < 8; ++t) add_lane(t);
+        } else {
+          for (int t = 0; t < 8; ++t) add_lane(t);
         }
         const __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 32 + 16 * j)));
         const __m256i sc_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 40 + 16 * j)));
-        for (int m = 0; m < MT; ++m)
-          isum[m] = _mm256_add_epi32(isum[m],
-                                     _mm256_add_epi32(_mm256_mullo_epi32(lo_sum[m], sc_lo),
-                                                      _mm256_mullo_epi32(hi_sum[m], sc_hi)));
+        if constexpr (kVNNI) {
+          for (int m = 0; m < MT; ++m)
+            isum[m] = _mm256_add_epi32(isum[m],
+                                       _mm256_add_epi32(_mm256_mullo_epi32(lo_sum[m], sc_lo),
+                                                        _mm256_mullo_epi32(hi_sum[m], sc_hi)));
+        } else {  // the 6-bit scales times the pair sums, widened by the same madd
+          const __m256i sc_lo2 = both_halves(sc_lo), sc_hi2 = both_halves(sc_hi);
+          for (int m = 0; m < MT; ++m)
+            isum[m] = _mm256_add_epi32(isum[m],
+                                       _mm256_add_epi32(_mm256_madd_epi16(lo_sum[m], sc_lo2),
+                                                        _mm256_madd_epi16(hi_sum[m], sc_hi2)));
+        }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
@@ -783,11 +839,104 @@ void groups_dot_q4_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
 // Repacked Q6_K (see Q6_Kx8), as groups_dot_q4_k: the 6-bit values put together from the
 // low and high bits of 8 rows at once, one int32 sum per row and sub-block of 16, less the
 // -32 offset's 32 * (the activations' sum), times the row's int8 scale for that sub-block.
+//
+// Values g (0-3) of a column's 4-byte lane t: from its low-bit bytes a (values 0-31 of the
+// half) and bq (32-63) and high-bit byte hb.
+inline __m256i q6_values(int g, __m256i a, __m256i bq, __m256i hb) {
+  const __m256i low = _mm256_set1_epi8(0xF), high = _mm256_set1_epi8(0x30);
+  switch (g) {
+    case 0: return _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), high));
+    case 1: return _mm256_or_si256(_mm256_and_si256(bq, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), high));
+    case 2: return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(hb, high));
+    default: return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), low),
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), high));
+  }
+}
+
+// One super-block column's integer sums per row (isum[m]) with VNNI: int32 dots per
+// sub-block, less the offset, times the scale.
+template <int MT>
+inline void q6_k_sums_vnni(const uint8_t* c, const XBlockK* x, int64_t xstride, int64_t b,
+                           __m256i* isum) {
+  for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = c + 144 + 768 * h;
+    const uint8_t* qh = ql + 512;
+    for (int k = 0; k < 768; k += 64) _mm_prefetch((const char*)(ql + kQ6KColumn + k), _MM_HINT_T0);
+    for (int th = 0; th < 2; ++th) {  // values 0-15 of each 32 (t < 4), then 16-31
+      __m256i sum[4][MT];  // per group of 32 values g: sub-block 8 h + 2 g + th
+      for (int g = 0; g < 4; ++g)
+        for (int m = 0; m < MT; ++m) sum[g][m] = _mm256_setzero_si256();
+      for (int t = 4 * th; t < 4 * th + 4; ++t) {
+        const __m256i a = load32(ql + 32 * t), bq = load32(ql + 32 * (8 + t));
+        const __m256i hb = load32(qh + 32 * t);
+        const __m256i u[4] = {q6_values(0, a, bq, hb), q6_values(1, a, bq, hb),
+                              q6_values(2, a, bq, hb), q6_values(3, a, bq, hb)};
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xq = x[m * xstride + b].q + 128 * h + 4 * t;
+          for (int g = 0; g < 4; ++g) sum[g][m] = dot4_add(sum[g][m], u[g], broadcast4(xq + 32 * g));
+        }
+      }
+      for (int g = 0; g < 4; ++g) {
+        const int sub = 8 * h + 2 * g + th;
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 16 + 8 * sub)));
+        for (int m = 0; m < MT; ++m) {
+          const __m256i offset = _mm256_set1_epi32(32 * x[m * xstride + b].bsums[sub]);
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_sub_epi32(sum[g][m], offset), sc));
+        }
+      }
+    }
+  }
+}
+
+// The same sums without VNNI (see dot4_16): two 6-bit dots summed as int16, then one madd
+// by the sub-block's scale (in both halves of each lane) adds them into isum; the -32
+// offsets, 32 * sum over sub-blocks of scale * the activations' sum, come off first, two
+// sub-blocks per madd. The same integers as q6_k_sums_vnni.
+template <int MT>
+inline void q6_k_sums_avx2(const uint8_t* c, const XBlockK* x, int64_t xstride, int64_t b,
+                           __m256i* isum) {
+  alignas(32) __m256i scale[16];  // sub-block s's scales, each in both int16 halves of its lane
+  for (int s = 0; s < 16; ++s)
+    scale[s] = both_halves(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 16 + 8 * s))));
+  for (int m = 0; m < MT; ++m) {
+    const XBlockK* xb = x + m * xstride + b;
+    __m256i offset = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {  // lane r: (scale 2p, scale 2p + 1) of row r as int16
+      const __m128i pair = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(c + 16 + 16 * p)),
+                                             _mm_loadl_epi64((const __m128i*)(c + 24 + 16 * p)));
+      int32_t sums;
+      std::memcpy(&sums, xb->bsums + 2 * p, 4);
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pair), _mm256_set1_epi32(sums)));
+    }
+    isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+  }
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = c + 144 + 768 * h;
+    const uint8_t* qh = ql + 512;
+    for (int k = 0; k < 768; k += 64) _mm_prefetch((const char*)(ql + kQ6KColumn + k), _MM_HINT_T0);
+#pragma GCC unroll 1
+    for (int t = 0; t < 8; t += 2) {  // lanes t and t + 1: one sub-block per g (th = t / 4)
+      const __m256i a0 = load32(ql + 32 * t), b0 = load32(ql + 32 * (8 + t)), h0 = load32(qh + 32 * t);
+      const __m256i a1 = load32(ql + 32 * (t + 1)), b1 = load32(ql + 32 * (9 + t)),
+                    h1 = load32(qh + 32 * (t + 1));
+      for (int g = 0; g < 4; ++g) {
+        const __m256i u0 = q6_values(g, a0, b0, h0), u1 = q6_values(g, a1, b1, h1);
+        const __m256i sc = scale[8 * h + 2 * g + t / 4];
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xq = x[m * xstride + b].q + 128 * h + 4 * t + 32 * g;
+          const __m256i s16 = dot4_16_add(dot4_16(u0, broadcast4(xq)), u1, broadcast4(xq + 4));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16, sc));
+        }
+      }
+    }
+  }
+}
+
 template <int MT, typename Out>
 void groups_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                      const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
   const int64_t blocks = K / QKK;
-  const __m256i low = _mm256_set1_epi8(0xF), high = _mm256_set1_epi8(0x30);
   for (int64_t n = n0; n < n1; n += kGroupRows) {
     const uint8_t* group = w + (n / kGroupRows) * group_bytes;
     __m256 acc[MT];
@@ -795,46 +944,10 @@ void groups_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* c = group + b * kQ6KColumn;
       __m256i isum[MT];
-      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = c + 144 + 768 * h;
-        const uint8_t* qh = ql + 512;
-        for (int k = 0; k < 768; k += 64)
-          _mm_prefetch((const char*)(ql + kQ6KColumn + k), _MM_HINT_T0);
-        for (int th = 0; th < 2; ++th) {  // values 0-15 of each 32 (t < 4), then 16-31
-          __m256i sum[4][MT];  // per group of 32 values g: sub-block 8 h + 2 g + th
-          for (int g = 0; g < 4; ++g)
-            for (int m = 0; m < MT; ++m) sum[g][m] = _mm256_setzero_si256();
-          for (int t = 4 * th; t < 4 * th + 4; ++t) {
-            const __m256i a = load32(ql + 32 * t), bq = load32(ql + 32 * (8 + t));
-            const __m256i hb = load32(qh + 32 * t);
-            const __m256i u[4] = {
-                _mm256_or_si256(_mm256_and_si256(a, low),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), high)),
-                _mm256_or_si256(_mm256_and_si256(bq, low),
-                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), high)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
-                                _mm256_and_si256(hb, high)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), low),
-                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), high))};
-            for (int m = 0; m < MT; ++m) {
-              const int8_t* xq = x[m * xstride + b].q + 128 * h + 4 * t;
-              for (int g = 0; g < 4; ++g)
-                sum[g][m] = dot4_add(sum[g][m], u[g], broadcast4(xq + 32 * g));
-            }
-          }
-          for (int g = 0; g < 4; ++g) {
-            const int sub = 8 * h + 2 * g + th;
-            const __m256i sc =
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 16 + 8 * sub)));
-            for (int m = 0; m < MT; ++m) {
-              const __m256i offset = _mm256_set1_epi32(32 * x[m * xstride + b].bsums[sub]);
-              isum[m] = _mm256_add_epi32(
-                  isum[m], _mm256_mullo_epi32(_mm256_sub_epi32(sum[g][m], offset), sc));
-            }
-          }
-        }
-      }
+      if constexpr (kVNNI)
+        q6_k_sums_vnni<MT>(c, x, xstride, b, isum);
+      else
+        q6_k_sums_avx2<MT>(c, x, xstride, b, isum);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
       for (int m = 0; m < MT; ++m)
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]),
