@@ -1,9 +1,11 @@
-"""A decode-only step's decoder layers in one native call: the runner's fast path on CPU.
+"""A step's decoder layers in one native call: the runner's fast path on CPU.
 
 Where the execution plan runs the layers through a native kernels build and the cpu-paged
-backend (`ExecutionPlan.decode_stack`), every layer of a decode-only step of up to as many
-rows as every projection's kernel takes is one C++ call (`csrc/decode_stack.cpp`), through
-the same kernels as the model's Python forward, which it equals bit for bit
+backend (`ExecutionPlan.decode_stack`), every layer of a step whose every token is one of
+the backend's kernel rows (decodes, and queries of up to `KERNEL_MAX_QUERY` tokens over
+their cache: see engine/attention/cpu_paged.py), of up to as many rows as every
+projection's kernel takes, is one C++ call (`csrc/decode_stack.cpp`), through the same
+kernels as the model's Python forward, which it equals bit for bit
 (tests/engine/test_decode_stack.py). The model stays one forward; this is another way to
 execute it, chosen per step by the runner.
 """
@@ -52,11 +54,11 @@ class DecodeStack:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """The step's final hidden states, or None where it is not a decode-only step the
+        """The step's final hidden states, or None where it is not a step of kernel rows the
         stack takes (the model's forward then runs it). The backend must be prepared."""
         if input_ids.shape[0] > self.max_rows:
             return None
-        tables = self.model.attn_backend.decode_only_tables()
+        tables = self.model.attn_backend.kernel_only_tables()
         if tables is None:
             return None
         cos, sin = self.model.rotary.lookup(positions)

@@ -106,14 +106,15 @@ class SdpaBackend(AttentionBackend):
         return out
 
 
-def plan_prefills(meta: AttentionMetadata) -> list[Prefill]:
-    """The step's multi-token queries; requests of one shape share one causal mask."""
+def plan_prefills(meta: AttentionMetadata, longer_than: int = 1) -> list[Prefill]:
+    """The step's queries of more than `longer_than` tokens (every multi-token one by
+    default); requests of one shape share one causal mask."""
     device = meta.block_tables.device
     masks: dict[tuple[int, int], torch.Tensor] = {}
     prefills = []
     starts = meta.query_start_loc_list
     for r, q_len in enumerate(meta.query_lens):
-        if q_len == 1:
+        if q_len <= longer_than:
             continue
         seq_len = meta.seq_lens_list[r]
         mask = None

@@ -28,12 +28,16 @@ class _Counted:
         return self.stack.forward(*args)
 
 
-def _decode_step(prompt_len: int, batch: int) -> tuple[torch.Tensor, AttentionMetadata]:
-    """A decode-only step's inputs: `batch` requests of `prompt_len` cached tokens each."""
-    blocks_per = (prompt_len + 1 + 15) // 16
+def _decode_step(
+    prompt_len: int, batch: int, query_len: int = 1
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A step's inputs: `batch` requests of `prompt_len` cached tokens each, decoding one
+    token, or `query_len` of them (the rest of a prompt over its cached prefix)."""
+    seq_len = prompt_len + query_len
+    blocks_per = (seq_len + 15) // 16
     tables = [list(range(r * blocks_per, (r + 1) * blocks_per)) for r in range(batch)]
-    meta = AttentionMetadata.build([1] * batch, [prompt_len + 1] * batch, tables, 16, "cpu")
-    return torch.arange(200, 200 + batch), meta
+    meta = AttentionMetadata.build([query_len] * batch, [seq_len] * batch, tables, 16, "cpu")
+    return torch.arange(200, 200 + batch * query_len), meta
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
@@ -57,7 +61,7 @@ def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, 
     _assert_stack_equals_python_layers(llm, batch)
 
 
-def _assert_stack_equals_python_layers(llm: LLM, batch: int) -> None:
+def _assert_stack_equals_python_layers(llm: LLM, batch: int, query_len: int = 1) -> None:
     """The runner's decode stack against the model's one Python forward, on the same step."""
     core = llm.engine.core
     model, stack = core.model, core.runner.decode_stack
@@ -67,7 +71,7 @@ def _assert_stack_equals_python_layers(llm: LLM, batch: int) -> None:
     for k, v in kv:  # a context to attend to
         k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
         v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
-    ids, meta = _decode_step(prompt_len=40, batch=batch)
+    ids, meta = _decode_step(prompt_len=40, batch=batch, query_len=query_len)
     counted = _Counted(stack.native)
     with torch.inference_mode():
         model.attn_backend.prepare(meta)
@@ -80,7 +84,7 @@ def _assert_stack_equals_python_layers(llm: LLM, batch: int) -> None:
     assert counted.calls == 1 and stacked is not None
     assert torch.equal(stacked, python)
     for (ks, vs), (kp, vp) in zip(kv_stack, kv_python, strict=True):
-        assert torch.equal(ks, kp) and torch.equal(vs, vp)  # the new token's K/V written alike
+        assert torch.equal(ks, kp) and torch.equal(vs, vp)  # the new tokens' K/V written alike
 
 
 def test_generation_through_the_stack_equals_generation_without_it(tmp_path):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.attention import get_attention_backend, write_kv
+from engine.attention.cpu_paged import KERNEL_MAX_QUERY
 from engine.attention.reference import reference_paged_attention
 from engine.config import EngineConfig
 from engine.execution_plan import ModelShape, resolve_attention
@@ -108,6 +109,24 @@ def test_cpu_paged_float32_equals_reference_over_long_and_mixed_steps(
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("long_query", [False, True])
+def test_cpu_paged_takes_short_queries_as_kernel_rows_and_long_ones_through_sdpa(long_query):
+    """Queries of up to KERNEL_MAX_QUERY tokens (a chunk over a cached prefix, a fresh
+    prompt) attend through the kernel, a row per token, so a step of only such queries is
+    the decode stack's; a longer one goes through SDPA; either way the reference's output."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    shapes = [(1, 40), (16, 16 + 48), (KERNEL_MAX_QUERY, KERNEL_MAX_QUERY), (5, 30)]
+    if long_query:
+        shapes.append((KERNEL_MAX_QUERY + 1, KERNEL_MAX_QUERY + 33))
+    q, k_cache, v_cache, meta, _ = make_batch(rng, shapes, 8, 2, 64, torch.float32)
+    backend = get_attention_backend("cpu-paged", 8, 2)
+    out = attend(backend, q, k_cache, v_cache, meta, 0.125)
+    assert (backend.kernel_only_tables() is None) == long_query
+    ref = reference_paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_kernel_rejects_what_it_cannot_attend():
     kernel = ggml_kernels()
     tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
@@ -143,14 +162,15 @@ def float32_gguf_llm(float32_gguf) -> LLM:
     return _float32_llm(float32_gguf)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch):
+@pytest.mark.parametrize(("batch", "query_len"), [(1, 1), (3, 1), (3, 5)])
+def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch, query_len):
+    """Decodes, and short queries over a cached prefix (kernel rows: the stack takes them)."""
     summary = float32_gguf_llm.engine.core.compute_summary
     # (The plan names the switch when `make test`'s AVX2 pass sets it.)
     build = "AVX2, $PAGEDSERVE_CPU_KERNELS=avx2" if switch() == "avx2" else "AVX2"
     assert summary.startswith(f"attention cpu-paged, CPU kernels {build} (fused ops, decode stack)")
     assert "Q4_K x" in summary, summary
-    _assert_stack_equals_python_layers(float32_gguf_llm, batch)
+    _assert_stack_equals_python_layers(float32_gguf_llm, batch, query_len)
 
 
 def test_float32_gguf_generation_follows_the_torch_ops(float32_gguf, float32_gguf_llm):

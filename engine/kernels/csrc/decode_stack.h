@@ -32,8 +32,9 @@ class DecodeStack {
  public:
   DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
-  // hidden: the step's embedded tokens [T, hidden], one per request, all decoding; cos,
-  // sin: [T, head_dim] -> the final-normed hidden states [T, hidden].
+  // hidden: the step's embedded tokens [T, hidden], each a row of the paged attention
+  // (a decode, or one token of a short query with its own context length); cos, sin:
+  // [T, head_dim] -> the final-normed hidden states [T, hidden].
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                         const torch::Tensor& sin, const std::vector<KVCache>& kv_caches,
                         const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,

@@ -126,31 +126,34 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
       attend(p, r, g, start, stop, Partial(parts.get() + task * part_floats, p.group));
     }
   });
-  // Merge each (request, KV head)'s chunks and normalise.
+  // Merge each (request, KV head)'s chunks and normalise (in parallel: a step of prefill
+  // rows holds hundreds).
   auto out = torch::empty_like(q);
   T* o = out.data_ptr<T>();
   const int64_t G = p.group;
-  for (int64_t r = 0; r < N; ++r) {
-    const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
-    for (int64_t g = 0; g < KVH; ++g) {
-      float* first = parts.get() + (first_task[r] + g * chunks) * part_floats;
-      for (int64_t j = 0; j < G; ++j) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c)
-          m = std::max(m, Partial(first + c * part_floats, G).max[j]);
-        float total = 0.f;
-        float acc[kMaxDim] = {0.f};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Partial part(first + c * part_floats, G);
-          const float w = std::exp(part.max[j] - m);
-          total += part.sum[j] * w;
-          for (int64_t d = 0; d < D; ++d) acc[d] += part.acc[j * D + d] * w;
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
+      for (int64_t g = 0; g < KVH; ++g) {
+        float* first = parts.get() + (first_task[r] + g * chunks) * part_floats;
+        for (int64_t j = 0; j < G; ++j) {
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < chunks; ++c)
+            m = std::max(m, Partial(first + c * part_floats, G).max[j]);
+          float total = 0.f;
+          float acc[kMaxDim] = {0.f};
+          for (int64_t c = 0; c < chunks; ++c) {
+            const Partial part(first + c * part_floats, G);
+            const float w = std::exp(part.max[j] - m);
+            total += part.sum[j] * w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += part.acc[j * D + d] * w;
+          }
+          T* dst = o + (r * H + g * G + j) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = T(acc[d] / total);
         }
-        T* dst = o + (r * H + g * G + j) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = T(acc[d] / total);
       }
     }
-  }
+  });
   return out;
 }
 
