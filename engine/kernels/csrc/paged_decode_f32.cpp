@@ -23,10 +23,6 @@ using pagedserve_avx2::kLanes;
 
 constexpr int64_t kKeys = 8;  // keys per online-softmax update: one vector of scores
 
-// e^x of one float through the vector exp: std::exp is a libm call here, and a call
-// clobbers every vector register the loop holds (once per head and 8 keys).
-inline float exp1(float x) { return _mm256_cvtss_f32(exp_ps(_mm256_set1_ps(x))); }
-
 // 8 consecutive elements of a cache row as floats.
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const int8_t* x) {
@@ -117,7 +113,7 @@ void attend_chunk(const Problem<KV>& p, int64_t r, int64_t g, int64_t begin, int
       const __m256 sv =
           _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum_lanes8(dots), key_scales), valid);
       const float new_max = std::max(out.max[j], hmax(sv));
-      const float correction = exp1(out.max[j] - new_max);  // ~0 on the first keys
+      const float correction = std::exp(out.max[j] - new_max);  // 0 on the first keys
       const __m256 e = _mm256_and_ps(valid, exp_ps(_mm256_sub_ps(sv, _mm256_set1_ps(new_max))));
       // A value row's scale rides on its probability (the sum keeps the plain ones).
       _mm256_store_ps(probs[j], scaled_values ? _mm256_mul_ps(e, value_scales) : e);
