@@ -107,6 +107,45 @@ def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dt
     assert ggml_kernels().ggml_repack(odd, int(source), cols)[1] == int(source)
 
 
+# Byte ranges of each regrouped type's quant bits and 6-bit scales (set to all ones below),
+# its int8 scales (Q6_K) or values (Q8_0), and its f16 factors, in the file's block layout.
+EXTREME_LAYOUT = {  # type: (block bytes, all-ones ranges, int8 ranges, f16 offsets)
+    T.Q4_0: (18, [(2, 18)], [], [0]),
+    T.Q5_0: (22, [(2, 22)], [], [0]),
+    T.Q8_0: (34, [], [(2, 34)], [0]),
+    T.Q4_K: (144, [(4, 144)], [], [0, 2]),
+    T.Q6_K: (210, [(0, 192)], [(192, 208)], [208]),
+}
+
+
+@pytest.mark.parametrize("source", list(EXTREME_LAYOUT), ids=lambda t: t.name)
+@pytest.mark.parametrize("int8_value", [127, -128])
+def test_regrouped_kernels_hold_the_largest_sums_without_overflow(source, int8_value):
+    # Without VNNI the integer dots add maddubs's int16 pair sums as int16 (8 of 4-bit
+    # values, 4 of 5-bit, 2 of 6-bit) before widening: every weight at its largest value
+    # times activations at +-127 is their worst case, which an int16 too many would wrap.
+    block, ones, int8s, f16s = EXTREME_LAYOUT[source]
+    cols, rows = 256, 16
+    raw = np.zeros((rows, cols // (256 if source in (T.Q4_K, T.Q6_K) else 32), block), np.uint8)
+    for a, b in ones:
+        raw[..., a:b] = 0xFF
+    for a, b in int8s:
+        raw[..., a:b] = np.uint8(int8_value & 0xFF)
+    for offset in f16s:
+        raw[..., offset : offset + 2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    blocks = torch.from_numpy(raw.reshape(rows, -1).copy())
+    grouped, qtype = ggml_kernels().ggml_repack(blocks, int(source), cols)
+    weights = ggml_kernels().ggml_dequantize(blocks, int(source), cols).double()
+    signs = torch.ones(6, cols, dtype=torch.float64)
+    signs[1] = -1  # all one sign per row: every pair sum at its extreme
+    signs[2, ::2] = -1
+    signs[3:] = torch.randint(0, 2, (3, cols), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    for m in (1, 4, 6):  # the 1-row, 4-row and remainder tiles
+        y = ggml_kernels().ggml_linear(signs[:m].float(), [grouped], [qtype]).double()
+        reference = signs[:m] @ weights.T  # +-1 activations quantize exactly (to +-127)
+        assert _relative_error(y, reference) < 1e-5, (m, y[:, 0], reference[:, 0])
+
+
 def _gguf_linear(parts: list[tuple[T, int]], seed: int) -> tuple[Linear, torch.Tensor]:
     """A bf16 GGUF `Linear` of fused parts (type, rows) of 512 columns, and its float32
     weights as ggml dequantizes them."""
