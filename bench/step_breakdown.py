@@ -17,25 +17,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
 from bench.dtype_step import finish_prefills
+from bench.ggml_kernels import median_seconds
 from bench.machine import machine_line
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def median_ms(fn, repeat: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeat) * 1e3
 
 
 def breakdown(model: str, batch: int, context: int) -> str:
