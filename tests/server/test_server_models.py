@@ -244,6 +244,26 @@ def test_the_load_and_unload_routes(server: Server) -> None:
     assert_openai_error(server.http.post("/models/load", json={}), 400)
 
 
+@pytest.mark.parametrize("route", ["/models/load", "/models/unload"])
+def test_hostile_bodies_on_the_model_routes_are_openai_4xx(server: Server, route: str) -> None:
+    """A body nested 1,000 levels, a wrong type, a huge number and an empty body: each a 4xx
+    in the OpenAI shape, and no model's blocks held afterwards."""
+    bodies = [
+        b'{"model": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+        b'{"model": 7}',
+        b'{"model": ' + b"9" * 5000 + b"}",
+        b"",
+    ]
+    for body in bodies:
+        response = server.http.post(route, content=body, headers={"content-type": "application/json"})
+        assert 400 <= response.status_code < 500, (body[:40], response.text[:200])
+        assert_openai_error(response, response.status_code)
+    for entry in server.router.registry:
+        if entry.client is not None:
+            manager = entry.client.core.kv_cache_manager
+            assert manager.num_free_blocks == entry.client.core.num_blocks
+
+
 def test_a_model_that_fails_to_load_fails_alone(server: Server) -> None:
     failures = server.metric("pagedserve:model_load_failures_total", model="broken")
     with pytest.raises(openai.APIStatusError) as caught:
