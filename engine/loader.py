@@ -44,6 +44,7 @@ from engine.errors import ModelFileError
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import hf_name, read_tensors
 from engine.model_check import check_config
+from engine.model_config import ModelConfig, read_model_config
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
 
 logger = logging.getLogger(__name__)
@@ -334,12 +335,10 @@ def _process_alive(pid: int) -> bool:
 # -- config, tokenizer, weights, eos ------------------------------------------------------
 
 
-def load_hf_config(path: str | os.PathLike):
-    """The model's transformers config; ValueError for an architecture the engine lacks."""
-    from transformers import AutoConfig
-
-    with _as_model_file_error(Path(path), "its config.json"):
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The model's config (engine/model_config.py: config.json with transformers'
+    defaults, read without transformers); ValueError for an architecture the engine lacks."""
+    config = read_model_config(path)
     architectures = architectures_of(config)
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         found = ", ".join(architectures) or f"model_type {config.model_type!r}"
@@ -374,10 +373,19 @@ def model_architecture(config) -> str:
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """transformers' tokenizer of a model directory, as `AutoTokenizer` chooses it. Where
+    tokenizer_config.json names the class, the choice needs only config.json's model_type,
+    so `AutoTokenizer` is handed the config this module reads rather than loading
+    transformers' own, whose import is most of a warm start (engine/model_config.py)."""
     from transformers import AutoTokenizer
 
-    with _as_model_file_error(Path(path), "its tokenizer"):
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    path = Path(path)
+    config = None
+    if _read_json(path / "tokenizer_config.json").get("tokenizer_class"):
+        with contextlib.suppress(ModelFileError):  # then AutoTokenizer reads it itself
+            config = read_model_config(path)
+    with _as_model_file_error(path, "its tokenizer"):
+        return AutoTokenizer.from_pretrained(str(path), config=config, local_files_only=True)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model_config import as_transformers_config
+
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
     """Rope settings across transformers versions (``rope_parameters`` in v5, ``rope_scaling`` before)."""
@@ -43,8 +45,11 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}")
-    # linear, dynamic (below max_position_embeddings), llama3, yarn: static frequencies.
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    # linear, dynamic (below max_position_embeddings), llama3, yarn: static frequencies,
+    # computed by transformers from its own config object.
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
+        as_transformers_config(config), None
+    )
     return inv_freq.float(), float(attention_scaling)
 
 

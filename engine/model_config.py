@@ -1,0 +1,112 @@
+"""A model's config.json, read without importing transformers' model code.
+
+transformers 5's `AutoConfig` imports the architecture's configuration module, which
+imports torch.distributed.tensor and sympy: on a 2-core Zen 3 that was more than half of a
+warm start of the server (`bench/startup.py`). The engine reads a score of plain JSON
+fields (`FIELD_TYPES`), so it reads the file itself and fills what a file leaves out with
+the default of transformers' class for its model_type (`DEFAULTS`, held to transformers'
+classes by tests/engine/test_model_config.py). Where transformers' own object is needed
+(a rope scaling other than the default, whose frequencies transformers computes),
+`transformers_config()` builds it then.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from engine.errors import ModelFileError
+
+_INT, _NUMBER, _NONE = (int,), (int, float), (type(None),)
+
+# The fields the engine reads, and the JSON types each may hold (None: "not set").
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "model_type": (str,),
+    "architectures": (list, *_NONE),
+    "vocab_size": _INT,
+    "hidden_size": _INT,
+    "intermediate_size": _INT,
+    "num_hidden_layers": _INT,
+    "num_attention_heads": _INT,
+    "num_key_value_heads": (*_INT, *_NONE),
+    "head_dim": (*_INT, *_NONE),
+    "hidden_act": (str,),
+    "max_position_embeddings": _INT,
+    "rms_norm_eps": _NUMBER,
+    "tie_word_embeddings": (bool,),
+    "attention_bias": (bool,),
+    "mlp_bias": (bool,),
+    "rope_theta": _NUMBER,
+    "rope_parameters": (dict, *_NONE),
+    "rope_scaling": (dict, *_NONE),
+    "partial_rotary_factor": _NUMBER,
+    "sliding_window": (*_INT, *_NONE),
+    "use_sliding_window": (bool,),
+}
+
+_SHARED = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
+           "rope_parameters": None}  # fmt: skip
+
+# transformers' defaults (its config classes' __init__ arguments) for the fields above,
+# per model_type; a field a class does not take is absent, as it is from its object.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_SHARED, "vocab_size": 32000, "intermediate_size": 11008,
+              "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
+              "attention_bias": False, "mlp_bias": False},
+    "qwen2": {**_SHARED, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "sliding_window": 4096, "use_sliding_window": False},
+    "mistral": {**_SHARED, "vocab_size": 32000, "intermediate_size": 14336,
+                "num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
+                "sliding_window": 4096},
+}  # fmt: skip
+
+
+class ModelConfig(SimpleNamespace):
+    """config.json's fields as attributes, with transformers' defaults for its model_type;
+    the other keys of the file are kept as they are. Picklable (tensor-parallel workers)."""
+
+    _name_or_path: str
+
+    def transformers_config(self) -> Any:
+        """transformers' own config object of the same directory (imports transformers'
+        model code: for what only transformers computes)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self._name_or_path, local_files_only=True)
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """The config.json of ``model_dir``; `ModelFileError` naming the file and the field for
+    a file that is not JSON or a field of the wrong type. A model_type without defaults
+    here keeps only its own fields (the loader then refuses the architecture)."""
+    file = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{model_dir}: cannot read its config.json ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{model_dir}: cannot read its config.json (not a JSON object)")
+    for name, value in data.items():
+        types = FIELD_TYPES.get(name)
+        # bool is an int to Python, never to a config: a layer count of `true` is refused.
+        wrong_bool = isinstance(value, bool) and bool not in types if types else False
+        if types and (not isinstance(value, types) or wrong_bool):
+            raise ModelFileError(f"{model_dir}: cannot read its config.json ({name} is "
+                                 f"{value!r}, not {' or '.join(_type_names(types))})")  # fmt: skip
+    defaults = DEFAULTS.get(data.get("model_type"), {})
+    return ModelConfig(**{**defaults, **data, "_name_or_path": str(model_dir)})
+
+
+def as_transformers_config(config: Any) -> Any:
+    """transformers' object for a `ModelConfig`; any other config as it is."""
+    return config.transformers_config() if isinstance(config, ModelConfig) else config
+
+
+def _type_names(types: tuple[type, ...]) -> list[str]:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+             list: "a list", dict: "an object", type(None): "null"}  # fmt: skip
+    return [names[t] for t in types]

@@ -1,0 +1,126 @@
+"""engine/model_config.py reads config.json itself: the engine must see the same model
+through it as through transformers' `AutoConfig`, and the serving path must not import
+transformers' model code (the import is what the reader exists to skip)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+from engine.errors import ModelFileError
+from engine.execution_plan import ModelShape
+from engine.loader import load_hf_config, load_tokenizer
+from engine.model_config import DEFAULTS, FIELD_TYPES, ModelConfig, read_model_config
+from engine.models import get_model_class
+from engine.models.rotary import rope_inv_freq
+from engine.resolved_config import context_limit
+from tests.engine.test_llama import _configs
+from tests.engine.tiny_models import default_model_dir
+
+CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+# 32 heads: the key/value head counts the classes default to (32, 8) divide it.
+SIZES = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 112,
+         "num_hidden_layers": 2, "num_attention_heads": 32}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_the_defaults_are_those_of_transformers_classes(model_type):
+    parameters = inspect.signature(CLASSES[model_type].__init__).parameters
+    taken = {name for name in FIELD_TYPES if name in parameters} - {"architectures", "rope_theta"}
+    assert set(DEFAULTS[model_type]) == taken
+    for name, value in DEFAULTS[model_type].items():
+        assert parameters[name].default == value, name
+
+
+def _written(tmp_path: Path, name: str, data: dict) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
+def _variants(tmp_path: Path) -> dict[str, Path]:
+    """Config files as transformers writes them (every field), and as older or
+    hand-written ones are (only the sizes; a legacy rope_scaling beside rope_theta)."""
+    variants = {}
+    for name, config in _configs().items():
+        folder = tmp_path / name
+        config.save_pretrained(folder)
+        variants[name] = folder
+    for model_type in CLASSES:
+        minimal = {"model_type": model_type, **SIZES}
+        variants[f"{model_type}-minimal"] = _written(tmp_path, f"{model_type}-min", minimal)
+    legacy = {"model_type": "llama", **SIZES, "rope_theta": 50000.0,
+              "rope_scaling": {"type": "linear", "factor": 4.0}}  # fmt: skip
+    variants["llama-legacy-rope"] = _written(tmp_path, "legacy", legacy)
+    windowed = {"model_type": "qwen2", **SIZES, "use_sliding_window": True, "sliding_window": 64}
+    variants["qwen2-windowed"] = _written(tmp_path, "windowed", windowed)
+    return variants
+
+
+def _what_the_engine_reads(config) -> tuple:
+    cls = get_model_class(config)
+    arch = cls.architecture(config)
+    inv_freq, scaling = rope_inv_freq(config, arch.head_dim)
+    return arch, ModelShape.of(config), context_limit(config), inv_freq, scaling
+
+
+def test_the_engine_reads_the_same_model_from_either_config(tmp_path):
+    variants = _variants(tmp_path)
+    assert len(variants) >= 11
+    for name, folder in variants.items():
+        ours = read_model_config(folder)
+        theirs = AutoConfig.from_pretrained(folder, local_files_only=True)
+        assert isinstance(ours, ModelConfig)
+        mine, reference = _what_the_engine_reads(ours), _what_the_engine_reads(theirs)
+        assert mine[:3] == reference[:3], name
+        assert torch.equal(mine[3], reference[3]) and mine[4] == reference[4], name
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", True), ("hidden_size", 64.0), ("rms_norm_eps", "small"),
+     ("rope_parameters", [1]), ("tie_word_embeddings", 1)],
+)  # fmt: skip
+def test_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, field, value):
+    folder = _written(tmp_path, "m", {"model_type": "llama", **SIZES, field: value})
+    with pytest.raises(ModelFileError, match=f"cannot read its config.json \\({field} is "):
+        read_model_config(folder)
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_chooses():
+    folder = default_model_dir()
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(theirs)
+    text = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_loading_the_config_and_tokenizer_imports_no_model_code():
+    # transformers 5's configuration modules import torch.distributed.tensor and sympy:
+    # seconds of every start, for nothing the server uses.
+    script = (
+        "import sys\n"
+        "from engine.loader import load_hf_config, load_tokenizer\n"
+        f"folder = {str(default_model_dir())!r}\n"
+        "load_hf_config(folder); load_tokenizer(folder)\n"
+        "heavy = ('sympy', 'torch.distributed.tensor', 'transformers.models.llama')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_load_hf_config_still_refuses_an_architecture_it_lacks(tmp_path):
+    folder = _written(tmp_path, "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="unsupported model architecture GPT2LMHeadModel"):
+        load_hf_config(folder)
