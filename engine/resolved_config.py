@@ -1,7 +1,7 @@
 """The engine's configuration resolved once, against the model and this machine.
 
 `EngineConfig` is what the user asked for ("auto" dtype, no context length...);
-`ResolvedConfig` is what the engine runs: the model's directory and transformers config,
+`ResolvedConfig` is what the engine runs: the model's directory and config,
 the execution plan (device, dtype, quantization, attention backend, kernels: see
 engine/execution_plan.py), the context length and, once the model is loaded and measured,
 the number of KV blocks and the plan's facts about the packed weights. It is frozen and picklable: the engine core builds
@@ -29,7 +29,7 @@ from scheduler import SchedulerConfig
 class ResolvedConfig:
     engine: EngineConfig  # as the user gave it
     model_dir: Path
-    hf_config: Any  # transformers' PretrainedConfig of the model
+    hf_config: Any  # the model's config.json: engine/model_config.py's `ModelConfig`
     plan: ExecutionPlan
     max_model_len: int
     # 0 until the model is loaded: the budget is what is left beside it (`with_num_blocks`).

@@ -1,7 +1,7 @@
 """A decoder-only causal LM over flat token batches and a paged KV cache, assembled from the
 shared blocks (engine/models/layers.py): the embedding, the decoder layers, the final norm
 and the LM head. A model file (llama.py, qwen2.py, mistral.py) states only its
-`Architecture`, read from a transformers config.
+`Architecture`, read from its config (engine/model_config.py, or transformers' own).
 
 How it computes comes from the `ExecutionPlan`: its dtype, device, weight formats,
 attention backend and layer ops. It has one forward; whether a step runs it or the native
