@@ -24,8 +24,9 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 
 
 def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str | Path) -> None:
-    """`ModelFileError` naming ``source`` and the first size of ``config`` (a `ModelConfig` or a transformers
-    config) that ``shapes`` (the checkpoint's tensors under transformers' names) contradict."""
+    """`ModelFileError` naming ``source`` and the first size of ``config`` (a `ModelConfig`
+    or transformers' config) that ``shapes`` (the checkpoint's tensors under transformers'
+    names) contradict."""
 
     def fail(what: str) -> ModelFileError:
         return ModelFileError(f"{source}: {what}")
