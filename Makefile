@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 	PAGEDSERVE_CPU_KERNELS=avx2 $(PY) -m engine.kernels
 	touch $(STAMP)
 
+# The project's own modules compiled to bytecode first: where PYTHONDONTWRITEBYTECODE is
+# set (as on this project's machines) an editable install recompiles every module at every
+# start otherwise, 0.3 s of a warm start (bench/README.md, "Warm start").
 serve: $(STAMP)
+	$(PY) -m compileall -q engine server scheduler kv_cache > /dev/null
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
 # The dashboard's test (tests/server/test_dashboard_browser.py) drives a real headless
