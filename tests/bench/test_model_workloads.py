@@ -101,3 +101,24 @@ def test_the_swap_in_bench_serves_a_directory_of_links_with_room_for_one(tmp_pat
     assert ours[ours.index("--num-blocks") + 1] == "256"  # the same KV budget: 4096 tokens
     peer = llama_server_argv(tmp_path / "llama-server", folder, 9, 4096, [])
     assert peer[peer.index("--models-max") + 1] == "1" and peer[peer.index("-c") + 1] == "4096"
+
+
+def test_the_traffic_bench_gives_both_servers_room_for_two_and_the_same_slots(tmp_path) -> None:
+    from bench.model_traffic import RUNS, llama_server_argv, pagedserve_argv
+
+    ours = pagedserve_argv(tmp_path, 9, 2, 8192, 8, [])
+    peer = llama_server_argv(tmp_path / "llama-server", tmp_path, 9, 2, 8192, 8, [])
+    assert ours[ours.index("--max-loaded-models") + 1] == "2" == peer[peer.index("--models-max") + 1]
+    assert ours[ours.index("--max-num-seqs") + 1] == "8" == peer[peer.index("-np") + 1]
+    assert ours[ours.index("--num-blocks") + 1] == "512" and peer[peer.index("-c") + 1] == "8192"
+    assert [count for _, count in RUNS.values()] == [1, 2, 3]
+
+
+def test_the_startup_phases_are_timed_in_a_fresh_process(tmp_path) -> None:
+    from bench.startup import PHASES, measure_phases
+    from engine.loader import default_gguf_path
+
+    (seconds,) = measure_phases(default_gguf_path(), 512, tmp_path / "cache", rounds=1)
+    assert len(seconds) == len(PHASES)
+    assert all(s > 0 for s in seconds)
+    assert seconds[1] > 0.1  # importing torch is never free
