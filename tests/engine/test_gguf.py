@@ -75,6 +75,25 @@ def test_linear_matches_the_dequantized_weights(qtype, dtype):
         assert _relative_error(y, x.float() @ dense.T) < 0.015, (qtype.name, rows)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("regroup", [False, True], ids=["file layout", "regrouped"])
+def test_a_rows_product_is_the_same_bits_in_any_tile(qtype, regroup):
+    # Speculative decoding verifies 1 + k rows in one call where plain decoding multiplies
+    # one: greedy output is the same with it on and off only if a row's sums are added in
+    # the same order whatever tile (1-8 rows, and the rest) the row falls in.
+    cols = 512 if qtype.name.endswith("_K") else 736
+    blocks = torch.from_numpy(random_blocks(qtype, 48, cols, np.random.default_rng(11)))
+    weight, wtype = (ggml_kernels().ggml_repack(blocks, int(qtype), cols) if regroup
+                     else (blocks, int(qtype)))  # fmt: skip
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat(
+        [ggml_kernels().ggml_linear(x[i : i + 1], [weight], [wtype]) for i in range(13)]
+    )
+    for rows in (2, 3, 4, 5, 8, 9, 13):
+        together = ggml_kernels().ggml_linear(x[:rows], [weight], [wtype])
+        assert torch.equal(together, alone[:rows]), (qtype.name, wtype, rows)
+
+
 # The regrouped layouts' bytes per 8-row group and block column (Q4_Kx8 unpacks the scales).
 REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q5_0: (736, 22 * 8), T.Q8_0: (736, 34 * 8),
              T.Q4_K: (512, 148 * 8), T.Q6_K: (512, 210 * 8)}  # fmt: skip

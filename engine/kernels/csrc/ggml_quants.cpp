@@ -576,13 +576,16 @@ inline float hsum(__m256 v) {
 }
 
 // MT activation rows (starting at x, xstride blocks apart) against weight rows [n0, n1).
-// Several accumulator sets (vector and offset), rotating by block, so consecutive blocks'
+// Two accumulator sets (vector and offset), alternating by block, so consecutive blocks'
 // adds do not wait on each other: one set would chain every block on the latency of an
-// add (3-4 cycles), longer than a block's other work at one activation row.
+// add (3-4 cycles), longer than a block's other work at one activation row. The same two
+// at every MT, so a row's sum is added in the same order whatever tile it falls in: a
+// speculative verify's 1 + k rows then equal plain decode's single rows bit for bit. (Four
+// sets at 1-2 rows measured the same speed, bench.kernel_ab: 0.98-1.05x a layer.)
 template <typename B, int MT, typename Out>
 void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
               const typename B::X* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  constexpr int SETS = MT <= 2 ? 4 : 2;  // within AVX2's 16 vector registers
+  constexpr int SETS = 2;
   const int64_t blocks = K / B::values;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
