@@ -218,15 +218,16 @@ def test_bf16_engine_on_this_cpu_runs_its_decodes_through_cpu_paged(model_dir):
     bf16 = engine.core.model
     assert isinstance(bf16.attn_backend, CpuPagedBackend)
     assert all(layer.self_attn.backend is bf16.attn_backend for layer in bf16.layers)
-    assert engine.core.compute_summary == (
-        "attention cpu-paged, CPU kernels AVX-512 BF16 (skinny GEMM, fused ops, decode stack), "
-        "weights: projections bfloat16 x8, embedding bfloat16, head bfloat16"
-    )
+    # The start-up line names each path the plan chose (not its exact wording).
+    summary = engine.core.compute_summary
+    for path in ("attention cpu-paged", "CPU kernels AVX-512 BF16", "skinny GEMM",
+                 "fused ops", "decode stack", "projections bfloat16 x8"):  # fmt: skip
+        assert path in summary, (path, summary)
     fp32_engine = LLM(model=str(model_dir), dtype="float32", num_blocks=64).engine
     assert isinstance(fp32_engine.core.model.attn_backend, SdpaBackend)
-    assert fp32_engine.core.compute_summary == (
-        "attention sdpa, weights: projections float32 x8, embedding float32, head float32"
-    )
+    fp32_summary = fp32_engine.core.compute_summary
+    assert "attention sdpa" in fp32_summary and "projections float32 x8" in fp32_summary
+    assert "CPU kernels" not in fp32_summary and "decode stack" not in fp32_summary
 
 
 def test_lpm_admission_changes_the_order_not_the_tokens(model_dir):

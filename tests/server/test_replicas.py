@@ -64,6 +64,20 @@ def per_replica(url: str, name: str, **labels: str) -> dict[str, float]:
     return values
 
 
+def settled(read: Any, period_s: float = 1.5, timeout_s: float = 30) -> Any:
+    """`read()` once it gives the same value twice `period_s` apart (the stats stopped
+    moving), however long that takes up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the replicas' metrics kept moving for {timeout_s} s: {last}")
+
+
 def test_answers_equal_a_single_engine(ingress, tiny_model_dir):
     prompts = [random_ids(9000 + i, 40) for i in range(4)]
     engine = make_engine(tiny_model_dir, **ENGINE)
@@ -94,8 +108,9 @@ def test_errors_are_the_single_servers(ingress):
 def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
     prefix = random_ids(9100, 96)  # 6 blocks
     success = "pagedserve:request_success_total"
-    time.sleep(2.5)  # the replicas' stats (about every second) catch up with earlier tests
-    before = per_replica(ingress, success, finished_reason="length")
+    # The baseline counts every request of the earlier tests: the replicas' stats reach the
+    # ingress about every second, so it is taken once two reads a period apart agree.
+    before = settled(lambda: per_replica(ingress, success, finished_reason="length"))
     sdk = client(ingress)
     for i in range(6):
         prompt = prefix + random_ids(9200 + i, 8)
