@@ -6,8 +6,10 @@
 * "llama3_json": the whole answer is one or more `{"name", "parameters"}` objects (split by
   `;` or whitespace), after an optional `<|python_tag|>` (Llama 3.1 to 3.3).
 * "mistral": `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects (Mistral's
-  v3 tokenizer templates); the array alone is read the same way, since `[TOOL_CALLS]` is
-  a special token that the detokenizer drops by default.
+  v3 tokenizer templates), or, from v11 (Mistral Small 3.1 and later), each call as
+  `[TOOL_CALLS]name[ARGS]{arguments}`, one after another. Both tags are special tokens that
+  the detokenizer drops by default, so the array alone, and `name{arguments}...` alone,
+  are read the same way.
 
 In the last two a call is the whole output, so the reader decides from how the output
 begins: text that starts like a call is held back to the end and parsed whole; text that
@@ -17,13 +19,15 @@ cannot be one streams as content at once. A call that does not parse stays conte
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 from server.tool_parsers import HermesStream, ToolCall, call_from_object, parse_hermes
 
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
-PYTHON_TAG, MISTRAL_TAG = "<|python_tag|>", "[TOOL_CALLS]"
+PYTHON_TAG, MISTRAL_TAG, ARGS_TAG = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")  # a function's name, as OpenAI's tools allow
 # What a template says when its model writes each format.
 _MARKERS = {"mistral": ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]"),
             "llama3_json": (PYTHON_TAG, "Environment: ipython")}  # fmt: skip
@@ -70,17 +74,68 @@ def parse_llama3_json(text: str) -> list[ToolCall] | None:
 
 
 def parse_mistral(text: str) -> list[ToolCall] | None:
-    body = text.strip().removeprefix(MISTRAL_TAG).strip()
-    values = _json_values(body, " \t\n\r")
-    arrays = values if values and all(isinstance(v, list) for v in values) else None
-    return _calls([obj for array in arrays for obj in array] if arrays else None)
+    """The calls the whole output makes, in the v3 form or the v11 one; None when it is
+    not calls."""
+    body = text.strip()
+    values = _json_values(body.removeprefix(MISTRAL_TAG).strip(), " \t\n\r")
+    if values and all(isinstance(v, list) for v in values):
+        return _calls([obj for array in values for obj in array])
+    return _calls(_v11_calls(body))
+
+
+def _v11_calls(text: str) -> list[dict[str, Any]] | None:
+    """v11's `[TOOL_CALLS]name[ARGS]{...}` calls, one after another, either tag perhaps
+    dropped with the special tokens; None when anything else is there."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        pos += len(MISTRAL_TAG) if text.startswith(MISTRAL_TAG, pos) else 0
+        name = _NAME.match(text, pos)
+        if name is None:
+            return None
+        pos = name.end() + (len(ARGS_TAG) if text.startswith(ARGS_TAG, name.end()) else 0)
+        try:
+            arguments, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        calls.append({"name": name.group(), "arguments": arguments})
+
+
+def _by_prefix(starts: tuple[str, ...]) -> Callable[[str], str | None]:
+    """How an output's beginning reads: "calls" when it starts with one of `starts`,
+    "content" when it cannot, None while it still may."""
+
+    def classify(head: str) -> str | None:
+        if any(head.startswith(s) for s in starts):
+            return "calls"
+        return None if any(s.startswith(head) for s in starts) else "content"
+
+    return classify
+
+
+def _mistral_head(head: str) -> str | None:
+    """`_by_prefix` for v3's `[TOOL_CALLS]` and `[{`, and v11's `name{` or `name[ARGS]`
+    (a name is held until what follows it shows whether it is one)."""
+    found = _by_prefix((MISTRAL_TAG, "[{"))(head)
+    name = _NAME.match(head) if found == "content" else None
+    if name is None:
+        return found
+    rest = head[name.end() :]
+    if not rest or ARGS_TAG.startswith(rest):
+        return None
+    return "calls" if rest.startswith(("{", ARGS_TAG)) else "content"
 
 
 class WholeOutputCalls:
     """A reader for formats where calls are the whole output: feed -> (content, calls)."""
 
-    def __init__(self, starts: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]):
-        self._starts = starts
+    def __init__(
+        self, classify: Callable[[str], str | None], parse: Callable[[str], list[ToolCall] | None]
+    ):
+        self._classify = classify  # an output's beginning -> "calls", "content" or None
         self._parse = parse
         self._buf = ""
         self._state = "start"  # -> "calls" (held to the end) or "content" (streamed)
@@ -88,11 +143,7 @@ class WholeOutputCalls:
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self._buf += delta
         if self._state == "start":
-            head = self._buf.lstrip()
-            if any(head.startswith(s) for s in self._starts):
-                self._state = "calls"
-            elif not any(s.startswith(head) for s in self._starts):
-                self._state = "content"
+            self._state = self._classify(self._buf.lstrip()) or "start"
         if self._state != "content":
             return "", []
         text, self._buf = self._buf, ""
@@ -107,9 +158,9 @@ class WholeOutputCalls:
 def tool_stream(parser: str) -> Any:
     """The streaming reader for a format: feed/finish -> (content, calls)."""
     if parser == "llama3_json":
-        return WholeOutputCalls((PYTHON_TAG, "{"), parse_llama3_json)
+        return WholeOutputCalls(_by_prefix((PYTHON_TAG, "{")), parse_llama3_json)
     if parser == "mistral":
-        return WholeOutputCalls((MISTRAL_TAG, "[{"), parse_mistral)
+        return WholeOutputCalls(_mistral_head, parse_mistral)
     return HermesStream()
 
 

@@ -1,5 +1,5 @@
 """Tool-call formats other than Hermes' (server/tool_formats.py): Llama 3.x JSON and Mistral
-`[TOOL_CALLS]`, whole and streamed at every chunk size, the format chosen by the template,
+`[TOOL_CALLS]` (v3's array and v11's `name[ARGS]{...}`), whole and streamed at every chunk size, the format chosen by the template,
 and a tiny random model behind a Llama-style template through the server (its output forced
 to a call by a one-string guided_choice).
 
@@ -36,6 +36,18 @@ CASES = [
      [("a", {}), ("b", {"x": 1})]),
     ("mistral", "[1] says so.", "[1] says so.", []),
     ("mistral", "[TOOL_CALLS]nonsense", "[TOOL_CALLS]nonsense", []),
+    # v11 (Mistral Small 3.1 on): `[TOOL_CALLS]name[ARGS]{...}` per call, as the template
+    # writes them, and as they read once the detokenizer drops the two special tokens.
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 3.5, "b": 4}[TOOL_CALLS]now[ARGS]{}', None,
+     [("add", {"a": 3.5, "b": 4}), ("now", {})]),
+    ("mistral", 'add{"a": 1}multiply{"a": 3, "b": 6}', None,
+     [("add", {"a": 1}), ("multiply", {"a": 3, "b": 6})]),
+    ("mistral", "Paris", "Paris", []),  # a name held to the end, then content
+    ("mistral", "Paris is the capital.", "Paris is the capital.", []),
+    ("mistral", 'add{"a": 1} and more', 'add{"a": 1} and more', []),
+    ("mistral", "[TOOL_CALLS]add[ARGS][1, 2]", "[TOOL_CALLS]add[ARGS][1, 2]", []),
 ]  # fmt: skip
 
 
@@ -61,6 +73,9 @@ def test_text_that_cannot_be_a_call_streams_at_once():
     reader = tool_stream("mistral")
     assert reader.feed("[") == ("", [])  # may still be "[{" or "[TOOL_CALLS]": held
     assert reader.feed("1] x") == ("[1] x", [])
+    reader = tool_stream("mistral")
+    assert reader.feed("Paris") == ("", [])  # may be a v11 call's name: held
+    assert reader.feed(" is") == ("Paris is", [])  # a space: not a name, sent now
 
 
 @pytest.mark.parametrize(
