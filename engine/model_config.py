@@ -86,7 +86,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     file = Path(model_dir) / "config.json"
     try:
         data = json.loads(file.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # (nested past the parser's depth)
         raise ModelFileError(f"{model_dir}: cannot read its config.json ({exc})") from exc
     if not isinstance(data, dict):
         raise ModelFileError(f"{model_dir}: cannot read its config.json (not a JSON object)")

@@ -95,6 +95,18 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, field, value)
         read_model_config(folder)
 
 
+@pytest.mark.parametrize(
+    "text", ["[" * 100_000, '{"model_type": "llama", ', "[]", '{"vocab_size": 1e999999}'],
+    ids=["nested 100,000 deep", "cut short", "not an object", "a number past float"],
+)
+def test_a_config_json_that_is_not_one_is_one_line(tmp_path, text):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ModelFileError, match="cannot read its config.json"):
+        read_model_config(folder)
+
+
 def test_the_tokenizer_is_the_one_autotokenizer_chooses():
     folder = default_model_dir()
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
