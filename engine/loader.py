@@ -462,7 +462,7 @@ def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> frozenset[in
 def _read_json(file: Path) -> dict:
     if not file.is_file():
         return {}
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError, RecursionError):  # (nested past the parser's depth)
         data = json.loads(file.read_text(encoding="utf-8"))
         if isinstance(data, dict):
             return data

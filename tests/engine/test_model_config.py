@@ -107,6 +107,15 @@ def test_a_config_json_that_is_not_one_is_one_line(tmp_path, text):
         read_model_config(folder)
 
 
+def test_a_side_file_nested_past_the_parser_reads_as_absent(tmp_path):
+    # load_tokenizer reads tokenizer_config.json, source_gguf pagedserve_source.json, through
+    # the same reader: a file it cannot parse is no file (a RecursionError escaped it).
+    from engine.loader import SOURCE_FILE, source_gguf
+
+    (tmp_path / SOURCE_FILE).write_text("[" * 100_000)
+    assert source_gguf(tmp_path) is None
+
+
 def test_the_tokenizer_is_the_one_autotokenizer_chooses():
     folder = default_model_dir()
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
