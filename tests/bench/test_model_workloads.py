@@ -108,7 +108,9 @@ def test_the_traffic_bench_gives_both_servers_room_for_two_and_the_same_slots(tm
 
     ours = pagedserve_argv(tmp_path, 9, 2, 8192, 8, [])
     peer = llama_server_argv(tmp_path / "llama-server", tmp_path, 9, 2, 8192, 8, [])
-    assert ours[ours.index("--max-loaded-models") + 1] == "2" == peer[peer.index("--models-max") + 1]
+    assert (
+        ours[ours.index("--max-loaded-models") + 1] == "2" == peer[peer.index("--models-max") + 1]
+    )
     assert ours[ours.index("--max-num-seqs") + 1] == "8" == peer[peer.index("-np") + 1]
     assert ours[ours.index("--num-blocks") + 1] == "512" and peer[peer.index("-c") + 1] == "8192"
     assert [count for _, count in RUNS.values()] == [1, 2, 3]

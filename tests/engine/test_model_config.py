@@ -96,7 +96,8 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(tmp_path, field, value)
 
 
 @pytest.mark.parametrize(
-    "text", ["[" * 100_000, '{"model_type": "llama", ', "[]", '{"vocab_size": 1e999999}'],
+    "text",
+    ["[" * 100_000, '{"model_type": "llama", ', "[]", '{"vocab_size": 1e999999}'],
     ids=["nested 100,000 deep", "cut short", "not an object", "a number past float"],
 )
 def test_a_config_json_that_is_not_one_is_one_line(tmp_path, text):
@@ -142,6 +143,8 @@ def test_loading_the_config_and_tokenizer_imports_no_model_code():
 
 
 def test_load_hf_config_still_refuses_an_architecture_it_lacks(tmp_path):
-    folder = _written(tmp_path, "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    folder = _written(
+        tmp_path, "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    )
     with pytest.raises(ValueError, match="unsupported model architecture GPT2LMHeadModel"):
         load_hf_config(folder)

@@ -451,7 +451,10 @@ def test_the_hostile_generator_covers_every_field_and_kind():
     for route in VALID:
         cases = list(hostile_cases(route))
         assert len(cases) == HOSTILE_PER_ROUTE
-        assert len({(body, tuple(headers.items())) for _, body, headers in cases}) > HOSTILE_PER_ROUTE * 7 // 10  # mostly distinct
+        assert (
+            len({(body, tuple(headers.items())) for _, body, headers in cases})
+            > HOSTILE_PER_ROUTE * 7 // 10
+        )  # mostly distinct
         kinds = {c[0].split()[0] for c in cases}
         assert {"wrong", "raw", "huge", "deep", "bad", "long", "duplicate", "empty", "content",
                 "truncated", "garbage", "mixed"} <= kinds  # fmt: skip

@@ -255,7 +255,9 @@ def test_hostile_bodies_on_the_model_routes_are_openai_4xx(server: Server, route
         b"",
     ]
     for body in bodies:
-        response = server.http.post(route, content=body, headers={"content-type": "application/json"})
+        response = server.http.post(
+            route, content=body, headers={"content-type": "application/json"}
+        )
         assert 400 <= response.status_code < 500, (body[:40], response.text[:200])
         assert_openai_error(response, response.status_code)
     for entry in server.router.registry:
