@@ -34,6 +34,7 @@ from bench.machine import machine_line
 from bench.servers import free_port, launch, stop, wait_ready
 from bench.swap_in import PROMPT, link_models
 
+ROOM = 2  # models loaded at once, in every run
 RUNS = {  # name -> (workload, how many models it sends to)
     "one model": ("shared-prefix", 1),
     "alternate": ("model-alternate", 2),
@@ -97,9 +98,8 @@ def row(server: str, run: str, record: dict) -> str:
 def run_server(server: str, argv_of, models_dir: Path, names: list[str],
                args: argparse.Namespace, work: Path) -> None:  # fmt: skip
     for run, (workload, count) in RUNS.items():
-        room = 2
         port = free_port()
-        proc = launch(argv_of(models_dir, port, room), work / f"{server}-{workload}.log")
+        proc = launch(argv_of(models_dir, port, ROOM), work / f"{server}-{workload}.log")
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, proc, 900, work / f"{server}-{workload}.log")

@@ -116,10 +116,13 @@ def _by_prefix(starts: tuple[str, ...]) -> Callable[[str], str | None]:
     return classify
 
 
+_MISTRAL_V3_HEAD = _by_prefix((MISTRAL_TAG, "[{"))
+
+
 def _mistral_head(head: str) -> str | None:
     """`_by_prefix` for v3's `[TOOL_CALLS]` and `[{`, and v11's `name{` or `name[ARGS]`
     (a name is held until what follows it shows whether it is one)."""
-    found = _by_prefix((MISTRAL_TAG, "[{"))(head)
+    found = _MISTRAL_V3_HEAD(head)
     name = _NAME.match(head) if found == "content" else None
     if name is None:
         return found
