@@ -58,6 +58,7 @@ _EXPORTS = {
     "TokenLogprob": "engine.outputs",
     "SamplingParams": "scheduler.sampling_params",
     "StructuredOutputs": "scheduler.structured_outputs",
+    "ThinkingBudget": "scheduler.thinking_budget",
     "fits_context": "scheduler.config",
     "StepError": "engine.errors",
 }

@@ -6,6 +6,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.structured_outputs import StructuredOutputs
+from scheduler.thinking_budget import ThinkingBudget
 
 __all__ = [
     "Request",
@@ -16,5 +17,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "StructuredOutputs",
+    "ThinkingBudget",
     "fits_context",
 ]

@@ -12,7 +12,8 @@ from scheduler.sampling_params import SamplingParams
 
 class Grammar(Protocol):
     """Where a constrained request's output stands in its grammar (the engine's matcher,
-    e.g. xgrammar's GrammarMatcher): the scheduler advances it with each sampled token."""
+    e.g. xgrammar's GrammarMatcher, or a thinking budget's): the scheduler advances it with
+    each sampled token."""
 
     def accept_token(self, token_id: int) -> bool: ...
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from scheduler.structured_outputs import StructuredOutputs
+from scheduler.thinking_budget import ThinkingBudget
 
 MAX_LOGPROBS = 20
 
@@ -39,6 +40,8 @@ class SamplingParams:
     # False: never verify draft tokens for this request (speculative decoding, where the
     # server runs it; the output is the same either way, only its speed differs).
     speculative: bool = True
+    # At most this many tokens inside a think block, then it is closed by force; None: no cap.
+    thinking_budget: ThinkingBudget | None = None
 
     # The sampler divides or multiplies float32 logits by the penalty: far outside this
     # range a logit overflows to inf (1e-300 is 0 in float32) and sampling returns garbage,

@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine import RequestOutput, TokenLogprob
+from engine import RequestOutput, ThinkingBudget, TokenLogprob
 from server.chat_rendering import conversation
 from server.engine_client import EngineStream
+from server.errors import bad_request
 from server.generic_tools import declares_tools
 from server.output_schemas import (
     ChatChoice,
@@ -32,7 +33,7 @@ from server.output_schemas import (
     make_usage,
 )
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ReasoningMode, reasoning_mode, resolve_parser
+from server.reasoning import ReasoningMode, reasoning_mode, resolve_parser, thinking_budget
 from server.serving import (
     OPENAI_STREAM,
     ResponseView,
@@ -112,13 +113,25 @@ async def serve_chat(
     prompt_text = chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
     reading = output_reading(ctx, prompt_text, constraint is not None, generic)
+    thinking = _thinking_budget(ctx, req, reading) if constraint is None else None
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(
         ctx, req, request_id, 0, prompt_ids, req.requested_max_tokens(), req.num_logprobs(),
-        "messages", structured,
+        "messages", structured, thinking,
     )  # fmt: skip
     view = make_view(len(prompt_ids), reading)
     return await respond(ctx, engine_requests, view, bool(req.stream), raw_request, fmt)
+
+
+def _thinking_budget(
+    ctx: ServingContext, req: ChatCompletionRequest, reading: OutputReading
+) -> ThinkingBudget | None:
+    """The request's cap on its think block; none under an output constraint, whose text
+    starts at the output's first token, outside any block."""
+    try:
+        return thinking_budget(req.thinking_token_budget, reading.reasoning, ctx.tokenizer)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="thinking_token_budget") from exc
 
 
 def chat_logprobs(

@@ -14,8 +14,8 @@ content blocks, Anthropic's stop reasons and usage, its streaming events, and er
 current SDK no longer sends (temperature, top_p, top_k) are still read, e.g. from
 `extra_body`. A reasoning model's think block (server/reasoning.py) is a `thinking` block
 before the text; thinking blocks sent back in an assistant turn are taken and left out of
-the prompt. Not served (a 400 naming it): image and document blocks, the `thinking`
-request field's "enabled" (a budget).
+the prompt. `thinking` "enabled" caps the block at its budget_tokens (chat's
+thinking_token_budget). Not served (a 400 naming it): image and document blocks.
 """
 
 from __future__ import annotations
@@ -102,9 +102,17 @@ MessageParam = Annotated[UserMessage | AssistantMessage, Field(discriminator="ro
 
 
 class ThinkingParam(OpenAIBaseModel):
-    """Extended thinking is not served: only `{"type": "disabled"}` is taken."""
+    """Extended thinking: "enabled" caps a reasoning model's think block at budget_tokens
+    (chat's thinking_token_budget; 400 where the server reads no think blocks); "disabled"
+    is taken and changes nothing (a reasoning model's template decides whether it thinks)."""
 
-    type: Literal["disabled"]
+    model_config = ConfigDict(json_schema_extra={"allOf": [{
+        "if": {"properties": {"type": {"const": "enabled"}}},
+        "then": {"required": ["budget_tokens"]},
+    }]})  # fmt: skip
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
 class ToolParam(OpenAIBaseModel):
@@ -209,6 +217,8 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature,
             top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
         )  # fmt: skip
+        if req.thinking is not None and req.thinking.type == "enabled":
+            body["thinking_token_budget"] = _thinking_budget(req.thinking, req.max_tokens)
         output_format = req.output_config.format if req.output_config else None
         if output_format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -217,6 +227,18 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:  # a value valid here but not there: say which
         raise bad_request(f"Invalid request: {exc.errors()[0]['msg']}") from exc
+
+
+def _thinking_budget(thinking: ThinkingParam, max_tokens: int) -> int:
+    """An "enabled" thinking's budget, checked as Anthropic's API checks it (its minimum of
+    1024 excepted: small models think in fewer)."""
+    budget = thinking.budget_tokens
+    if budget is None:
+        raise bad_request('thinking "enabled" needs budget_tokens', param="thinking.budget_tokens")
+    if budget >= max_tokens:
+        raise bad_request("max_tokens must be greater than thinking.budget_tokens",
+                          param="thinking.budget_tokens")  # fmt: skip
+    return budget
 
 
 def _text(content: str | list[TextBlock]) -> str:

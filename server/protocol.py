@@ -322,6 +322,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None
     add_generation_prompt: bool | None = True
+    # vLLM's cap on a reasoning model's think block (server/reasoning.py): after this many
+    # tokens inside it the server closes it and the model answers. 400 where the server
+    # reads no think blocks; no effect under an output constraint (no block there).
+    thinking_token_budget: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:

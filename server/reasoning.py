@@ -7,12 +7,17 @@ leave the text whole, "auto" (the default) for "think" where the chat template n
 `<think>` and "none" elsewhere. Some templates open the block themselves (the generation
 prompt ends in `<think>`): then the output starts inside it, and the reasoning is all text
 up to `</think>` (all of it, if that never comes, since the model never left it).
+
+A request may cap its block (`thinking_budget`): after that many of the model's tokens
+inside it, the engine writes `</think>` itself and the model goes on to its answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from engine import ThinkingBudget
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "none", "think")
@@ -45,6 +50,26 @@ def reasoning_mode(parser: str, prompt_text: str) -> ReasoningMode:
     if parser != "think":
         return NO_REASONING
     return ReasoningMode(True, prompt_text.rstrip().endswith(THINK_OPEN))
+
+
+def thinking_budget(
+    tokens: int | None, mode: ReasoningMode, tokenizer: Any
+) -> ThinkingBudget | None:
+    """The engine's cap for a request's thinking budget (None: none asked); ValueError
+    when the output is read without think blocks (--reasoning-parser none), so there is
+    no block to cap."""
+    if tokens is None:
+        return None
+    if not mode.enabled:
+        raise ValueError(
+            "thinking_token_budget needs a reasoning model: this server reads no think "
+            "blocks (--reasoning-parser none, or auto on a chat template without <think>)"
+        )
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return ThinkingBudget(tokens, ids(THINK_OPEN), ids(THINK_CLOSE), mode.opened)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

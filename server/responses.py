@@ -172,6 +172,8 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: Reasoning | None = None
+    # chat's (vLLM's) cap on a reasoning model's think block; the API itself has no budget
+    thinking_token_budget: int | None = Field(default=None, ge=0, le=2**31 - 1)
     background: Literal[False] | None = None
     truncation: Literal["disabled"] | None = None
 
@@ -218,6 +220,7 @@ def chat_request(
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "parallel_tool_calls": req.parallel_tool_calls,
+        "thinking_token_budget": req.thinking_token_budget,
     }  # fmt: skip
     if req.tools:
         body["tools"] = [

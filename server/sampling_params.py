@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import SamplingParams, StructuredOutputs
+from engine import SamplingParams, StructuredOutputs, ThinkingBudget
 from server.protocol import SamplingFields
 from server.validation import parse_logit_bias
 
@@ -24,6 +24,7 @@ def to_sampling_params(
     choice: int,
     vocab_size: int,
     structured: StructuredOutputs | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> SamplingParams:
     """SamplingParams for choice `choice` of n; ValueError("<field> ...") when invalid."""
     fields: dict[str, Any] = {
@@ -47,6 +48,7 @@ def to_sampling_params(
         "skip_special_tokens": req.skip_special_tokens is not False,
         "structured_outputs": structured,
         "speculative": req.speculative is not False,
+        "thinking_budget": thinking,
     }
     return SamplingParams(**fields)
 

@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from engine import RequestOutput, SamplingParams, StructuredOutputs
+from engine import RequestOutput, SamplingParams, StructuredOutputs, ThinkingBudget
 from server.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -303,9 +303,11 @@ def sampling_params(
     choice: int,
     vocab_size: int,
     structured: StructuredOutputs | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> SamplingParams:
     try:
-        return to_sampling_params(req, max_tokens, logprobs, choice, vocab_size, structured)
+        return to_sampling_params(req, max_tokens, logprobs, choice, vocab_size, structured,
+                                  thinking)  # fmt: skip
     except ValueError as exc:
         raise from_value_error(exc) from exc
 
@@ -320,6 +322,7 @@ def engine_requests_for_prompt(
     logprobs: int | None,
     prompt_param: str,
     structured: StructuredOutputs | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> list[EngineRequest]:
     """The n engine requests of one prompt (ids `<id>-<prompt_index * n + i>`).
 
@@ -334,7 +337,9 @@ def engine_requests_for_prompt(
         EngineRequest(
             f"{request_id}-{prompt_index * n + i}",
             prompt_ids,
-            sampling_params(req, max_tokens, logprobs, i, ctx.engine.vocab_size, structured),
+            sampling_params(
+                req, max_tokens, logprobs, i, ctx.engine.vocab_size, structured, thinking
+            ),
             req.cache_salt,
             req.priority,
             req.queue_timeout if req.queue_timeout is not None else ctx.queue_timeout,

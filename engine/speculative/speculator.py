@@ -9,8 +9,8 @@ the step is compute-bound and drafts only slow it. So:
 - each request's draft length adapts to what it had accepted: doubled (up to
   `num_tokens`) after all were kept, cut to one past what was kept after a miss, and
   after repeated misses it stops proposing for a while (2, 4, ... up to 32 steps);
-- requests with a grammar get no drafts (their drafts would have to be checked against
-  the matcher first), nor those that opted out (`SamplingParams.speculative`).
+- requests with a grammar (or a thinking budget, which is a matcher too) get no drafts
+  (their drafts would have to be checked against the matcher first), nor those that opted out (`SamplingParams.speculative`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.structured_output.thinking_budget import ThinkingBudgetMatcher
 from scheduler import Request, StructuredOutputs
 
 if TYPE_CHECKING:
@@ -53,10 +54,12 @@ class StructuredOutputManager:
 
     def new_matcher(self, request: Request) -> Any | None:
         """The matcher of a constrained request (None otherwise), which the request holds
-        for its life (`Request.grammar`). Compiles unless the grammar is cached."""
+        for its life (`Request.grammar`). Compiles unless the grammar is cached. A thinking
+        budget is a matcher too (structured_output/thinking_budget.py), where no grammar is."""
         spec = request.sampling_params.structured_outputs
         if spec is None:
-            return None
+            budget = request.sampling_params.thinking_budget
+            return ThinkingBudgetMatcher(budget) if budget is not None else None
         import xgrammar as xgr
 
         grammar = self.compile(spec).grammar  # a cache hit when the server compiled it first

@@ -160,3 +160,74 @@ def test_responses_gives_a_reasoning_item_whole_and_streamed(server):
         ASK[0], r.output[0].model_dump(exclude_none=True),
         {"role": "user", "content": "And of Spain?"}]})  # fmt: skip
     assert again.status in ("completed", "incomplete")
+
+
+# ----------------------------------------------------------------------- thinking budgets
+
+FREE = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 16, "temperature": 0}
+
+
+def test_a_thinking_budget_closes_the_block_and_the_model_answers_whole_and_streamed(server):
+    """The random model never leaves the block its prompt opened (all 16 tokens are
+    reasoning); with a budget of 4 the engine closes it and the rest is an answer."""
+    client = server.openai()
+    free = client.chat.completions.create(**FREE).choices[0].message
+    assert free.reasoning_content and not free.content
+    args = {**FREE, "extra_body": {"thinking_token_budget": 4}}
+    capped = client.chat.completions.create(**args)
+    message = capped.choices[0].message
+    assert free.reasoning_content.startswith(message.reasoning_content)
+    assert len(message.reasoning_content) < len(free.reasoning_content) and message.content
+    assert capped.usage.completion_tokens == 16
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            reasoning += choice.delta.model_dump().get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_messages_thinking_budget_tokens_caps_the_thinking_block(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                 timeout=60)  # fmt: skip
+    free = client.messages.create(model=MODEL_NAME, messages=ASK, max_tokens=16,
+                                  extra_body={"temperature": 0})  # fmt: skip
+    capped = client.messages.create(model=MODEL_NAME, messages=ASK, max_tokens=16,
+                                    thinking={"type": "enabled", "budget_tokens": 4},
+                                    extra_body={"temperature": 0})  # fmt: skip
+    assert [b.type for b in capped.content] == ["thinking", "text"]
+    assert free.content[0].thinking.startswith(capped.content[0].thinking)
+    assert len(capped.content[0].thinking) < len(free.content[0].thinking)
+
+
+def test_responses_takes_the_thinking_budget_too(server):
+    r = server.openai().responses.create(
+        model=MODEL_NAME, input=ASK[0]["content"], max_output_tokens=16, temperature=0,
+        extra_body={"thinking_token_budget": 4},
+    )  # fmt: skip
+    assert [i.type for i in r.output] == ["reasoning", "message"] and r.output_text
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/chat/completions", {"thinking_token_budget": -1}),
+        ("/v1/chat/completions", {"thinking_token_budget": "4"}),
+        ("/v1/chat/completions", {"thinking_token_budget": 2**40}),
+        ("/v1/chat/completions", {"thinking_token_budget": [4]}),
+        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 16}}),
+        ("/v1/messages", {"thinking": {"type": "enabled"}}),
+        ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 0}}),
+        ("/v1/messages", {"thinking": {"type": "sometimes", "budget_tokens": 4}}),
+        ("/v1/responses", {"thinking_token_budget": {"n": 4}}),
+    ],
+)
+def test_a_bad_thinking_budget_is_a_400(server, path, extra):
+    body = {"model": MODEL_NAME, "max_tokens": 16, **extra}
+    if path == "/v1/responses":
+        body = {"model": MODEL_NAME, "input": "Hi", **extra}
+    else:
+        body["messages"] = ASK
+    response = server.http().post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert server.engine.core.kv_cache_manager.num_free_blocks == server.engine.core.num_blocks

@@ -103,3 +103,12 @@ def test_chat_stream_logprobs_cover_every_token(server):
     assert "".join(i.token for i in items) == "".join(
         c.choices[0].delta.content or "" for c in chunks
     )
+
+
+def test_a_thinking_budget_on_a_model_without_think_blocks_is_a_400(server):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "thinking_token_budget": 2}  # fmt: skip
+    response = server.http().post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "thinking_token_budget" and "--reasoning-parser" in error["message"]

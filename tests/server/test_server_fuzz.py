@@ -163,6 +163,8 @@ def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
         return False  # refused for a stated rule: schemathesis reports it
     if not _constraint_compiles(req, tokenizer):
         return True
+    if _budget_without_a_think_block(req, tokenizer):
+        return True
     try:
         lengths, max_tokens = _prompt_lengths(req, tokenizer)
     except OpenAIError:
@@ -227,6 +229,16 @@ def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
     except (OpenAIError, ValueError):
         return False
     return True
+
+
+def _budget_without_a_think_block(req: Any, tokenizer: Any) -> bool:
+    """A thinking budget where the output is read without think blocks (this model's
+    template names no `<think>`), unless an output constraint leaves no block to cap."""
+    if getattr(req, "thinking_token_budget", None) is None:
+        return False
+    if "<think>" in str(tokenizer.chat_template):
+        return False
+    return output_constraint(req, not declares_tools(tokenizer.chat_template)) is None
 
 
 @functools.cache
