@@ -24,8 +24,17 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def conversation(messages: Sequence[ChatMessageParam]) -> list[dict[str, Any]]:
-    """The messages as plain {role, content} dicts for the chat template."""
-    return [plain_message(i, m) for i, m in enumerate(messages)]
+    """The messages as plain {role, content} dicts for the chat template. A tool result
+    without a `name` (OpenAI's shape has none) gets the name of the call it answers:
+    Hermes' and Qwen2.5's templates refuse a tool message that has none."""
+    plain = [plain_message(i, m) for i, m in enumerate(messages)]
+    called = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    for message in plain:
+        if message["role"] == "tool" and "name" not in message:
+            name = called.get(message.get("tool_call_id"))
+            if name is not None:
+                message["name"] = name
+    return plain
 
 
 def plain_message(i: int, m: ChatMessageParam) -> dict[str, Any]:

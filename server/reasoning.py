@@ -4,9 +4,10 @@ chat, a reasoning item on Responses and a `thinking` block on Messages.
 
 The server's --reasoning-parser picks the parser: "think" for `<think>` blocks, "none" to
 leave the text whole, "auto" (the default) for "think" where the chat template names
-`<think>` and "none" elsewhere. Some templates open the block themselves (the generation
-prompt ends in `<think>`): then the output starts inside it, and the reasoning is all text
-up to `</think>` (all of it, if that never comes, since the model never left it).
+`<think>` or `</think>` and "none" elsewhere. Some templates open the block themselves
+(the generation prompt ends in `<think>`): then the output starts inside it, and the
+reasoning is all text up to `</think>` (all of it, if that never comes, since the model
+never left it).
 
 A request may cap its block (`thinking_budget`): after that many of the model's tokens
 inside it, the engine writes `</think>` itself and the model goes on to its answer.
@@ -27,7 +28,9 @@ def resolve_parser(name: str, chat_template: Any) -> str:
     """The parser "auto" stands for with this template: "think" or "none"."""
     if name != "auto":
         return name
-    return "think" if THINK_OPEN in str(chat_template or "") else "none"
+    template = str(chat_template or "")
+    # DeepSeek-R1's template names only the closing tag (it strips earlier turns' thinking).
+    return "think" if THINK_OPEN in template or THINK_CLOSE in template else "none"
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class ServerConfig:
         choices=REASONING_PARSERS,
         help="separate a reasoning model's <think> block from its answer (reasoning_content, "
         "reasoning items, thinking blocks): think, none, or auto (think where the chat "
-        "template names <think>; default %(default)s)",
+        "template names <think> or </think>; default %(default)s)",
     )
     tool_call_parser: str = flag(
         "auto",

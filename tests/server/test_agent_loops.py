@@ -275,3 +275,59 @@ def test_anthropic_messages_tool_loop_with_default_tool_choice(server):
         return [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in m.content]
 
     assert [key(m) for m in streamed] == [key(m) for m in whole]
+
+
+# -------------------------------------------------------------------------- LangChain
+
+
+def _langchain_agent(server: RunningServer, streaming: bool, calls: list[str]) -> Any:
+    """LangChain's agent (create_agent: the model, its tools, the loop between them) on
+    chat completions through ChatOpenAI. Its first model call asks for a call, as the SDK
+    loops above do; every later one leaves tool_choice unset."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import wrap_model_call
+    from langchain_core.messages import ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=20)
+
+    @tool(args_schema=City)
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return RESULT
+
+    @wrap_model_call
+    def call_first(request: Any, handler: Any) -> Any:
+        if not any(isinstance(m, ToolMessage) for m in request.messages):
+            request = request.override(tool_choice="required")
+        return handler(request)
+
+    model = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL,
+                       temperature=0, max_tokens=MAX_TOKENS, max_retries=0, timeout=120,
+                       streaming=streaming)  # fmt: skip
+    return create_agent(model, [get_weather], middleware=[call_first])
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_langchain_agent_runs_the_tool_loop_on_chat(server, streaming):
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    calls: list[str] = []
+    agent = _langchain_agent(server, streaming, calls)
+    state = agent.invoke({"messages": [{"role": "user", "content": ASK}]},
+                         {"recursion_limit": 12})  # fmt: skip
+    messages = state["messages"]
+    assert isinstance(messages[0], HumanMessage) and isinstance(messages[1], AIMessage)
+    assert messages[1].tool_calls and calls  # the forced call ran the tool
+    for message, after in zip(messages, messages[1:], strict=False):
+        if isinstance(message, AIMessage) and message.tool_calls:
+            for call in message.tool_calls:
+                _valid_arguments(call["name"], call["args"])
+            assert isinstance(after, ToolMessage) and after.content == RESULT
+    final = messages[-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls and final.content
+    assert len(calls) == sum(len(m.tool_calls) for m in messages if isinstance(m, AIMessage))

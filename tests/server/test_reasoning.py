@@ -50,6 +50,8 @@ def test_the_splitter_gives_the_same_split_whole_or_in_any_chunks(text, opened, 
 def test_auto_picks_think_where_the_template_names_it():
     assert resolve_parser("auto", "{{ '<think>' }}") == "think"
     assert resolve_parser("auto", "{{ messages }}") == "none"
+    # DeepSeek-R1's template names only the closing tag, to strip earlier turns' thinking.
+    assert resolve_parser("auto", "{% if '</think>' in content %}") == "think"
     assert resolve_parser("none", "<think>") == "none"
     assert resolve_parser("think", None) == "think"
     assert reasoning_mode("think", "<|im_start|>assistant\n<think>\n").opened

@@ -296,6 +296,22 @@ def test_chat_conversation_normalises_roles_and_parts():
     ]
 
 
+def test_a_tool_result_without_a_name_gets_the_name_of_the_call_it_answers():
+    """Hermes' and Qwen2.5's templates refuse a tool message without `name`, which OpenAI's
+    tool messages never carry."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    req = chat(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_9", "content": "answers no call"},
+        {"role": "tool", "tool_call_id": "call_1", "name": "own", "content": "named"},
+    ])  # fmt: skip
+    names = [m.get("name") for m in conversation(req.messages)]
+    assert names == [None, None, "get_weather", None, "own"]
+
+
 @pytest.mark.parametrize(
     ("message", "param"),
     [
