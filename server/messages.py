@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine import RequestOutput
 from server.chat import chat_prompt_ids, serve_chat
@@ -76,16 +76,25 @@ class ThinkingBlockParam(OpenAIBaseModel):
     """An earlier turn's thinking, sent back as Anthropic's SDK loop does: taken and left
     out of the prompt (reasoning models' templates drop earlier turns' thinking too)."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
     thinking: str | None = None
     signature: str | None = None
-    data: str | None = None  # redacted_thinking
+
+
+class RedactedThinkingBlockParam(OpenAIBaseModel):
+    """Thinking Anthropic's API encrypted, sent back the same way: taken and left out.
+    (One model per `type` value: the discriminator maps each value to one schema.)"""
+
+    type: Literal["redacted_thinking"]
+    data: str | None = None
 
 
 # Tool results come in user turns, tool calls (and thinking) in assistant turns.
 UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
-AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlockParam,
-                           Field(discriminator="type")]  # fmt: skip
+AssistantBlock = Annotated[
+    TextBlock | ToolUseBlock | ThinkingBlockParam | RedactedThinkingBlockParam,
+    Field(discriminator="type"),
+]
 
 
 class UserMessage(OpenAIBaseModel):
@@ -113,6 +122,12 @@ class ThinkingParam(OpenAIBaseModel):
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _enabled_has_a_budget(self) -> ThinkingParam:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError('thinking "enabled" needs budget_tokens')
+        return self
 
 
 class ToolParam(OpenAIBaseModel):
@@ -232,9 +247,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
 def _thinking_budget(thinking: ThinkingParam, max_tokens: int) -> int:
     """An "enabled" thinking's budget, checked as Anthropic's API checks it (its minimum of
     1024 excepted: small models think in fewer)."""
-    budget = thinking.budget_tokens
-    if budget is None:
-        raise bad_request('thinking "enabled" needs budget_tokens', param="thinking.budget_tokens")
+    budget = thinking.budget_tokens or 0  # never None: ThinkingParam's rule for "enabled"
     if budget >= max_tokens:
         raise bad_request("max_tokens must be greater than thinking.budget_tokens",
                           param="thinking.budget_tokens")  # fmt: skip
@@ -265,7 +278,7 @@ def _chat_messages(message: UserMessage | AssistantMessage) -> list[dict[str, An
 
 
 def _assistant_message(
-    blocks: list[TextBlock | ToolUseBlock | ThinkingBlockParam],
+    blocks: list[AssistantBlock],
 ) -> dict[str, Any]:
     text, calls = "", []
     for block in blocks:

@@ -138,7 +138,12 @@ def test_messages_gives_thinking_blocks_whole_and_streamed(server):
     turn = [*ASK, {"role": "assistant", "content": message.content},
             {"role": "user", "content": "And of Spain?"}]  # fmt: skip
     assert client.messages.create(**{**args, "messages": turn}).content
-    for bad in ({"type": "thinking", "thinking": 5}, {"type": "thinking", "signature": []}):
+    redacted = [*turn[:1], {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Paris."}]},
+        turn[2]]  # fmt: skip
+    assert client.messages.create(**{**args, "messages": redacted}).content
+    for bad in ({"type": "thinking", "thinking": 5}, {"type": "thinking", "signature": []},
+                {"type": "redacted_thinking", "data": 5}):  # fmt: skip
         body = {"model": MODEL_NAME, "max_tokens": 8, "messages": [
             *ASK, {"role": "assistant", "content": [bad]}, {"role": "user", "content": "?"}]}  # fmt: skip
         response = server.http().post("/v1/messages", json=body)
