@@ -44,20 +44,24 @@ def agreement_before_divergence(reference: list[list[int]], other: list[list[int
 
 
 def measure(
-    dtype: str, decode_path: bool = False, **engine_fields
+    dtype: str, decode_path: bool = False, greedy: bool = True, **engine_fields
 ) -> tuple[float, list[list[int]]] | tuple[float, list[list[int]], float]:
     """(perplexity on the quality text, greedy tokens for PROMPTS) with this dtype, and
     with ``decode_path`` the perplexity of the text fed one token per step (the decode
-    path: its kernels never run in the prefill the first figure measures)."""
+    path: its kernels never run in the prefill the first figure measures). Without
+    ``greedy`` the tokens are not generated (an empty list): a caller that only needs the
+    perplexities saves the generation."""
     from engine import LLM, SamplingParams
     from engine.perplexity import perplexity
 
     llm = LLM(dtype=dtype, **engine_fields)
     ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))
     ppl = perplexity(llm.engine, ids)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
-    tokens = [o.token_ids for o in outs]
+    tokens: list[list[int]] = []
+    if greedy:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        tokens = [o.token_ids for o in llm.chat(chats, params, use_tqdm=False)]
     if decode_path:
         return ppl, tokens, perplexity(llm.engine, ids, chunk=1)
     return ppl, tokens
