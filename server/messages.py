@@ -34,6 +34,7 @@ from engine import RequestOutput
 from server.chat import chat_prompt_ids, serve_chat
 from server.engine_client import EngineStream
 from server.errors import bad_request
+from server.messages_blocks import ContentBlocks, thinking_block, tool_input, tool_use_id
 from server.protocol import MAX_TOP_K, ChatCompletionRequest
 from server.request_base import (
     FunctionName,
@@ -365,10 +366,6 @@ def _stop_reason(out: RequestOutput, made_calls: bool) -> str:
     return "stop_sequence" if out.stop_string is not None else "end_turn"
 
 
-def _tool_use_id(call_id: str) -> str:
-    return "toolu_" + call_id.removeprefix("call_")
-
-
 class _MessagesView:
     """Engine output as a Message, or as Anthropic's stream of events."""
 
@@ -392,12 +389,12 @@ class _MessagesView:
         message = self.reading.reader(self.chat).message(out.text)
         content: list[dict[str, Any]] = []
         if message.reasoning_content is not None:  # a think block: Anthropic's thinking
-            content.append(_thinking(message.reasoning_content))
+            content.append(thinking_block(message.reasoning_content))
         if message.content:
             content.append({"type": "text", "text": message.content})
         for call in message.tool_calls or ():
-            content.append({"type": "tool_use", "id": _tool_use_id(call.id),
-                            "name": call.function.name, "input": _input(call.function.arguments)})  # fmt: skip
+            content.append({"type": "tool_use", "id": tool_use_id(call.id),
+                            "name": call.function.name, "input": tool_input(call.function.arguments)})  # fmt: skip
         return MessageResponse(
             id=self.request_id, model=self.model, content=content,
             stop_reason=_stop_reason(out, bool(message.tool_calls)),
@@ -406,7 +403,7 @@ class _MessagesView:
 
     async def chunks(self, stream: EngineStream) -> AsyncIterator[str]:
         reader = self.reading.reader(self.chat)
-        blocks = _Blocks()
+        blocks = ContentBlocks()
         started = False
         async for out in stream:
             if not started:
@@ -431,70 +428,6 @@ class _MessagesView:
                     "delta": {"stop_reason": reason, "stop_sequence": out.stop_string},
                     "usage": {"output_tokens": len(out.token_ids)}})  # fmt: skip
                 yield named_event("message_stop", {"type": "message_stop"})
-
-
-def _thinking(text: str) -> dict[str, Any]:
-    # No signature: nothing here is signed; the field is there because clients read it.
-    return {"type": "thinking", "thinking": text, "signature": ""}
-
-
-def _input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object Anthropic's `input` is ({} if cut short)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-class _Blocks:
-    """Chat deltas (reasoning, content, tool-call pieces) as content block events: a block
-    opens when its kind of delta first arrives and closes when another kind (or the end)
-    comes."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.kind: str | None = None  # "thinking", "text" or "tool_use" while one is open
-
-    def events(self, delta: dict[str, Any]) -> list[str]:
-        out: list[str] = []
-        if delta.get("reasoning_content"):
-            if self.kind != "thinking":
-                out += self._open(_thinking(""))
-            out.append(self._delta({"type": "thinking_delta",
-                                    "thinking": delta["reasoning_content"]}))  # fmt: skip
-        if delta.get("content"):
-            if self.kind != "text":
-                out += self._open({"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls", ()):
-            if call.get("id"):  # a new call: its own block
-                function = call["function"]
-                out += self._open({"type": "tool_use", "id": _tool_use_id(call["id"]),
-                                   "name": function["name"], "input": {}})  # fmt: skip
-            arguments = call.get("function", {}).get("arguments")
-            if arguments:
-                out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
-        return out
-
-    def close(self) -> list[str]:
-        if self.kind is None:
-            return []
-        self.kind = None
-        return [
-            named_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        ]
-
-    def _open(self, block: dict[str, Any]) -> list[str]:
-        out = self.close()
-        self.index += 1
-        self.kind = block["type"]
-        start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return [*out, named_event("content_block_start", start)]
-
-    def _delta(self, delta: dict[str, Any]) -> str:
-        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return named_event("content_block_delta", body)
 
 
 # Anthropic's stream: its named events as the view writes them, an `error` event in its
