@@ -240,22 +240,26 @@ def test_greedy_generation_matches_transformers_generate(name):
 
 @pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
 def test_bfloat16_runs_and_stays_close_to_float32(name):
+    """Eight prompts, then three decode steps each: 32 rows of logits. Measured on Zen 3
+    (torch's bf16 ops, 2026-11-27): the largest difference 1.1% of the largest logit, and
+    the same most likely token in 93.8% (llama-tied) and 96.9% (qwen2) of the rows. (The
+    AVX-512 figures were not taken with these rows: a failure there is a first measurement.)"""
     _, ours32 = models(name)
     _, ours16 = models(name, dtype=torch.bfloat16)
     assert ours16.embed_tokens.dtype == torch.bfloat16
-    batch = prompts(8, [9, 30])
+    batch = prompts(8, [9, 30, 4, 17, 25, 1, 12, 40])
+    rng = random.Random(2)
+    steps = [[rng.randrange(1, 1000) for _ in batch] for _ in range(3)]
     results = []
     for model in (ours32, ours16):
         driver = PagedDriver(model)
-        first = driver.step([("x", batch[0]), ("y", batch[1])])
-        second = driver.step([("x", [4]), ("y", [8])])
-        results.append(torch.cat([first, second]))
+        rows = [driver.step([(str(i), p) for i, p in enumerate(batch)])]
+        rows += [driver.step([(str(i), [t]) for i, t in enumerate(step)]) for step in steps]
+        results.append(torch.cat(rows))
     full, half = results
     assert half.dtype == torch.float32 and torch.isfinite(half).all()
-    scale = full.abs().max()
-    assert (half - full).abs().max() < 0.05 * scale
-    # The bf16 model agrees with fp32 on the most likely token nearly everywhere.
-    assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
+    assert (half - full).abs().max() < 0.02 * full.abs().max()
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
 
 
 def test_load_weights_rejects_unknown_and_missing_names():

@@ -289,7 +289,7 @@ _NESTED = {
     "/detokenize": ["tokens.0"],
     "/v1/messages": ["messages.0.content", "messages.0.role", "messages.0.content.0.type",
                      "tools.0.input_schema", "tool_choice.type", "output_config.format.schema",
-                     "thinking.type", "stop_sequences.0"],
+                     "thinking.type", "thinking.budget_tokens", "stop_sequences.0"],
     "/v1/messages/count_tokens": ["messages.0.content", "messages.0.role", "system.0.text",
                                   "tools.0.input_schema", "tool_choice.type", "thinking.type",
                                   "messages.0.content.0.type"],
