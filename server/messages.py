@@ -118,7 +118,8 @@ class ThinkingParam(OpenAIBaseModel):
 
     model_config = ConfigDict(json_schema_extra={"allOf": [{
         "if": {"properties": {"type": {"const": "enabled"}}},
-        "then": {"required": ["budget_tokens"]},
+        "then": {"required": ["budget_tokens"],
+                 "properties": {"budget_tokens": {"type": "integer"}}},
     }]})  # fmt: skip
 
     type: Literal["enabled", "disabled"]
@@ -174,7 +175,8 @@ _TOOL_CHOICE_RULES = (
         "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
             "type": "object", "required": ["type"],
             "properties": {"type": {"const": "tool"}}}}},
-        "then": {"properties": {"tool_choice": {"required": ["name"]}}},
+        "then": {"properties": {"tool_choice": {
+            "required": ["name"], "properties": {"name": {"type": "string"}}}}},
     },
 )  # fmt: skip
 

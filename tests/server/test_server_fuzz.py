@@ -19,7 +19,6 @@ hold no traceback, and afterwards the server is healthy and holds no KV block.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
@@ -28,18 +27,11 @@ from typing import Any
 
 import pytest
 import schemathesis
-from pydantic import ValidationError
 from schemathesis.core import NOT_SET
 from schemathesis.engine import Status, events
 
-from engine.structured_output.grammar_cache import GrammarCache
-from server.chat_rendering import conversation
-from server.errors import OpenAIError, speaks_anthropic
-from server.generic_tools import declares_tools
-from server.messages import CountTokensRequest, MessagesRequest, chat_request
+from server.errors import speaks_anthropic
 from server.protocol import (
-    SEED_MAX,
-    SEED_MIN,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
@@ -47,13 +39,8 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.responses import ResponsesRequest, conversation_of
-from server.responses import chat_request as responses_chat_request
-from server.structured_outputs import request_constraint
-from server.tokens import apply_chat_template, encode_chat, encode_prompt
-from server.tool_calls import output_constraint, template_input
-from server.validation import check_tools
-from tests.engine.tiny_models import VOCAB_SIZE, default_tokenizer
+from server.responses import ResponsesRequest
+from tests.engine.tiny_models import default_tokenizer
 from tests.server.conftest import (
     MODEL_NAME,
     RunningServer,
@@ -62,10 +49,12 @@ from tests.server.conftest import (
     tracebacks,
     wait_until,
 )
+from tests.server.unstated_rules import MESSAGES_MODELS, Limits, broken_rules
 
 # A short context and few sequences per request keep every generated request cheap.
 FUZZ_MAX_MODEL_LEN = 64
 FUZZ_MAX_SEQS = 8
+LIMITS = Limits(max_model_len=FUZZ_MAX_MODEL_LEN, max_seqs_per_request=FUZZ_MAX_SEQS)
 SEED = 20240611
 MAX_EXAMPLES = 10
 # A request with a grammar waits for its compile (server/grammar_compiler.py: idle priority,
@@ -102,11 +91,70 @@ def test_schemathesis_finds_no_failure(fuzz_server: RunningServer) -> None:
         if case.meta is None or not case.meta.generation.mode.is_positive:
             return True
         # Its own tokenizer: the server's is busy in other threads.
-        return not breaks_an_unstated_rule(case.operation.path, case.body, default_tokenizer())
+        return not broken_rules(case.operation.path, case.body, default_tokenizer(), LIMITS)
 
     problems, num_cases = run_schemathesis(schema)
     assert num_cases > 0
     assert not problems, "\n\n".join(problems)
+
+
+_ASK = [{"role": "user", "content": "hi"}]
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# (route, body, the rule it breaks or None): each rule broken once, beside a twin that
+# keeps it, so each rule is checked against the server's answer both ways.
+RULE_CASES = [
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "guided_regex": "a+",
+                              "response_format": {"type": "json_object"}},
+     "more than one output constraint"),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "guided_regex": "a+"}, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                         "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs names not one kind"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"choice": ["a"]}},
+     None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_regex": "("},
+     "the constraint does not compile"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1},
+     "too many sequences"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 1}, None),
+    ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2, "max_tokens": 1},
+     "too many sequences"),
+    ("/v1/completions", {"prompt": "\x1d", "max_tokens": 1}, "the prompt and its budget do not fit"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3},
+     "the prompt and its budget do not fit"),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": FUZZ_MAX_MODEL_LEN},
+     "the prompt and its budget do not fit"),
+    ("/v1/chat/completions", {"messages": _ASK, "min_tokens": 1, "max_tokens": 1}, None),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "tools": [_TOOL, _TOOL]},
+     "tool names repeat"),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "tools": [_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "a named tool_choice names no tool"),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "thinking_token_budget": 1},
+     "a thinking budget without a think block"),
+    ("/v1/chat/completions", {"messages": _ASK, "max_tokens": 2, "thinking_token_budget": 1,
+                              "guided_choice": ["a"]}, None),
+    ("/v1/messages", {"model": MODEL_NAME, "messages": _ASK, "max_tokens": 2,
+                      "thinking": {"type": "enabled", "budget_tokens": 2}},
+     "thinking.budget_tokens not under max_tokens"),
+    ("/v1/responses", {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}],
+                       "max_output_tokens": 2}, "input holds no message"),
+    ("/v1/responses", {"input": [{"type": "reasoning", "id": "rs_1", "summary": []},
+                                 {"role": "user", "content": "hi"}], "max_output_tokens": 2},
+     None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "rule"), RULE_CASES)
+def test_each_unstated_rule_is_the_servers(fuzz_server, path, body, rule):
+    """The filter's rules (tests/server/unstated_rules.py) against the server's answers:
+    a body that breaks a rule is a 400 and the rule names it; its twin is served."""
+    broken = broken_rules(path, body, default_tokenizer(), LIMITS)
+    response = fuzz_server.http().post(path, json=body)
+    if rule is None:
+        assert broken == [] and response.status_code == 200, (broken, response.text)
+    else:
+        assert rule in broken and response.status_code == 400, (broken, response.text)
 
 
 def run_schemathesis(schema: Any) -> tuple[list[str], int]:
@@ -137,125 +185,6 @@ def _describe(label: str, check: Any, case: schemathesis.Case) -> str:
     # The body as sent: the report's curl masks fields that look like secrets (`tokens`).
     body = json.dumps(case.body, ensure_ascii=True)[:2000] if case.body is not NOT_SET else ""
     return f"{label} [{check.name}, {phase}] {failure.title}: {failure.message}\n{body}"
-
-
-def breaks_an_unstated_rule(path: str, body: Any, tokenizer: Any) -> bool:
-    """Whether a schema-valid body breaks a rule JSON Schema cannot state.
-
-    These rules relate two fields, or a field to the prompt's length in tokens; the server
-    answers 400 to a request that breaks one, and the spec states them in its request
-    descriptions only.
-    """
-    model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-    if path in MESSAGES_MODELS and isinstance(body, dict):
-        return _messages_break_an_unstated_rule(path, body, tokenizer)
-    if path == "/v1/responses" and isinstance(body, dict):
-        return _responses_break_an_unstated_rule(body, tokenizer)
-    if path not in model or not isinstance(body, dict):
-        return False
-    # Not a rule but schemathesis's rounding: it reads the int64 bound 2**63 - 1 through a
-    # float (9223372036854776000) and sends a "near-boundary" seed past it.
-    if isinstance(body.get("seed"), int) and not SEED_MIN <= body["seed"] <= SEED_MAX:
-        return True
-    try:
-        req = model[path].model_validate(body)
-    except ValidationError:
-        return False  # refused for a stated rule: schemathesis reports it
-    if not _constraint_compiles(req, tokenizer):
-        return True
-    if _budget_without_a_think_block(req, tokenizer):
-        return True
-    try:
-        lengths, max_tokens = _prompt_lengths(req, tokenizer)
-    except OpenAIError:
-        # A prompt text the tokenizer reads as no tokens at all ("\x1d"): empty, by a rule
-        # the schema cannot state (ids outside the vocabulary are stated, as maxima).
-        return True
-    n = req.num_choices
-    if getattr(req, "best_of", None) not in (None, n) or len(lengths) * n > FUZZ_MAX_SEQS:
-        return True
-    room = FUZZ_MAX_MODEL_LEN - max(lengths)
-    wanted = max(room, 1) if max_tokens is None else max_tokens
-    return wanted > room or (req.min_tokens or 0) > wanted
-
-
-MESSAGES_MODELS = {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
-
-
-def _messages_break_an_unstated_rule(path: str, body: dict[str, Any], tokenizer: Any) -> bool:
-    """A Messages request is the chat request it means (server/messages.py): its rules."""
-    try:
-        req = MESSAGES_MODELS[path].model_validate(body)
-    except ValidationError:
-        return False  # refused for a stated rule: schemathesis reports it
-    try:
-        chat = chat_request(req)
-    except OpenAIError:
-        return True
-    if path == "/v1/messages":
-        return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
-    try:  # count_tokens renders the prompt only
-        check_tools(chat)
-    except OpenAIError:
-        return True
-    return False
-
-
-def _responses_break_an_unstated_rule(body: dict[str, Any], tokenizer: Any) -> bool:
-    """A Responses request is the chat request it means (server/responses.py): its rules.
-    (One with a previous_response_id gets a 404: this run stores none it could name.)"""
-    try:
-        req = ResponsesRequest.model_validate(body)
-    except ValidationError:
-        return False  # refused for a stated rule: schemathesis reports it
-    try:
-        chat = responses_chat_request(req, conversation_of(req, []))
-    except OpenAIError:
-        return True
-    return breaks_an_unstated_rule("/v1/chat/completions", chat.model_dump(), tokenizer)
-
-
-def _constraint_compiles(req: Any, tokenizer: Any) -> bool:
-    """Whether the request's output constraint is one (at most) that compiles, and its tools
-    (if any) can be used with this template: the rules JSON Schema cannot state for them."""
-    try:
-        if isinstance(req, ChatCompletionRequest):
-            check_tools(req)
-            constraint = output_constraint(req, not declares_tools(tokenizer.chat_template))
-        else:
-            constraint = request_constraint(req)
-        if constraint is not None:
-            _grammars(tokenizer).compile(constraint[0])
-    except (OpenAIError, ValueError):
-        return False
-    return True
-
-
-def _budget_without_a_think_block(req: Any, tokenizer: Any) -> bool:
-    """A thinking budget where the output is read without think blocks (this model's
-    template names no `<think>`), unless an output constraint leaves no block to cap."""
-    if getattr(req, "thinking_token_budget", None) is None:
-        return False
-    if "<think>" in str(tokenizer.chat_template):
-        return False
-    return output_constraint(req, not declares_tools(tokenizer.chat_template)) is None
-
-
-@functools.cache
-def _grammars(tokenizer: Any) -> GrammarCache:
-    return GrammarCache(tokenizer, VOCAB_SIZE, [])
-
-
-def _prompt_lengths(req: Any, tokenizer: Any) -> tuple[list[int], int | None]:
-    """Each prompt's length in tokens, and the max_tokens asked for, as the server counts."""
-    if isinstance(req, CompletionRequest):
-        lengths = [
-            len(encode_prompt(tokenizer, p, VOCAB_SIZE, "prompt")) for p in req.prompt_list()
-        ]
-        return lengths, req.max_tokens
-    messages, tools = template_input(req, conversation(req.messages), tokenizer.chat_template)
-    text = apply_chat_template(tokenizer, messages, req.add_generation_prompt is not False, tools)
-    return [len(encode_chat(tokenizer, text))], req.requested_max_tokens()
 
 
 # ------------------------------------------------------------------------ hostile bodies
