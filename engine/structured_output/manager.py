@@ -67,16 +67,18 @@ class StructuredOutputManager:
         return xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
 
     def bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
-        """The mask of a step's sampled rows (requests in row order); None if none is constrained."""
+        """The mask of a step's sampled rows (requests in row order); None if no row is
+        constrained this step."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
         from engine.structured_output.bitmask import GrammarBitmask
 
         buffer = self._buffer(len(requests))
-        for i in rows:
-            requests[i].grammar.fill_next_token_bitmask(buffer, i)
-        return GrammarBitmask(buffer[: len(requests)], rows)
+        # A matcher answers whether its row needs applying (xgrammar's `need_apply`): an
+        # all-allowed row (a thinking budget while it counts) leaves that row's logits alone.
+        rows = [i for i in rows if requests[i].grammar.fill_next_token_bitmask(buffer, i)]
+        return GrammarBitmask(buffer[: len(requests)], rows) if rows else None
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:

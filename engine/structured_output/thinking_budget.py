@@ -84,13 +84,14 @@ class ThinkingBudgetMatcher:
     def is_terminated(self) -> bool:
         return False
 
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Row `row` of an int32 [B, ceil(V / 32)] token bitmask: only the next forced id
-        while forcing, every token otherwise."""
+        while forcing. Whether the row needs applying (xgrammar's `need_apply`): outside
+        forcing every token is allowed, and the row is left as it is."""
         if self._state is not _State.FORCING:
-            bitmask[row].fill_(-1)
-            return
+            return False
         token = self._budget.end_ids[self._forced]
         word, bit = divmod(token, 32)
         bitmask[row].zero_()
         bitmask[row, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32's sign bit
+        return True

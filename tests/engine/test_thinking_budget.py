@@ -23,9 +23,9 @@ def allowed(matcher: ThinkingBudgetMatcher) -> list[int]:
     """The tokens whose logits survive the matcher's row of a real step bitmask."""
     buffer = xgr.allocate_token_bitmask(2, VOCAB)
     buffer.zero_()  # as a reused buffer may hold another row's bits
-    matcher.fill_next_token_bitmask(buffer, 1)
     logits = torch.zeros(2, VOCAB)
-    GrammarBitmask(buffer, [1]).apply_(logits)
+    if matcher.fill_next_token_bitmask(buffer, 1):  # applied only when needed, as the step does
+        GrammarBitmask(buffer, [1]).apply_(logits)
     return torch.nonzero(logits[1] == 0).flatten().tolist()
 
 
