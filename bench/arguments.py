@@ -56,7 +56,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", type=workload_list, default=["shared-prefix"],
                    help="comma-separated: shared-prefix, zipf-prefix, bursty-prefix, unique, "
-                   "multi-turn, copy-edit, model-alternate, model-zipf "
+                   "multi-turn, copy-edit, repeat, model-alternate, model-zipf "
                    "(default shared-prefix)")  # fmt: skip
     g.add_argument("--num-requests", type=_positive_int, default=64)
     g.add_argument("--prefix-len", type=int, default=500,
@@ -131,7 +131,8 @@ SERVER_NAMES = (
 )
 SERVERS_HELP = (
     "comma-separated, from: pagedserve, pagedserve-no-cache (prefix caching off), "
-    "pagedserve-lpm (--scheduling-policy lpm), pagedserve-spec (--speculative ngram), naive "
+    "pagedserve-lpm (--scheduling-policy lpm), pagedserve-spec (--speculative ngram), "
+    "pagedserve-suffix (--speculative suffix), naive "
     "(bench/naive_server.py), llama-cpp-python (python -m llama_cpp.server: one request at a "
     "time behind a lock, no parallel slots; not llama.cpp's own server), llama-server "
     "(llama.cpp's own server, continuous batching over its default slot count), "

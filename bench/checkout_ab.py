@@ -14,6 +14,8 @@ Each round runs both checkouts, alternating which goes first, with this venv:
 `--model PATH` (an HF directory or a .gguf, e.g. bench/standin.py's 1B stand-in) is what both
 checkouts load in both parts; the other checkout is only given options it knows
 (`EngineConfig(model=...)`, `bench compare --model`), which older mains have.
+The other checkout builds its CPU kernels into its own extension cache (`.torch_extensions`
+in its directory): one cache for both would rebuild each checkout's kernels at every start.
 Ratios are this checkout's figure over the other's, median over the rounds (a step-time
 ratio under 1 and a throughput ratio over 1 mean this checkout is faster). Refactors are
 checked with it: the engine's speed must not move.
@@ -66,10 +68,20 @@ print("RESULT " + json.dumps(result))
 """.replace("__STEPS__", str(STEPS))
 
 
+def checkout_env(checkout: Path) -> dict[str, str]:
+    """The environment a child of `checkout` runs in: its packages first on the path, and
+    for a checkout other than this one its own kernel build cache (the two checkouts'
+    kernel sources may differ, and torch keys its cache by name, not by source)."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    if checkout != HERE:
+        env["TORCH_EXTENSIONS_DIR"] = str(checkout / ".torch_extensions")
+    return env
+
+
 def engine_steps(checkout: Path, batches: str, model: str | None = None) -> dict[str, float]:
     """Median decode-step ms per batch size, from a child running `checkout`'s engine on
     `model` (None: the default model)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    env = checkout_env(checkout)
     out = subprocess.run(
         [sys.executable, "-c", STEP_SNIPPET, batches, model or ""],
         cwd=checkout, env=env, capture_output=True, text=True, check=True,
@@ -83,7 +95,7 @@ def server_figures(
 ) -> dict[str, dict]:
     """Output tok/s and ITL p50 per concurrency, from `bench compare` run in `checkout`
     serving `model` (None: the default model)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    env = checkout_env(checkout)
     model_args = ["--model", model] if model else []
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(

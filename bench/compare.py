@@ -217,8 +217,9 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
             specs.append(ServerSpec(name, _pagedserve(args, caching=False)))
         elif name == "pagedserve-lpm":
             specs.append(ServerSpec(name, _pagedserve(args, caching=True, policy="lpm")))
-        elif name == "pagedserve-spec":
-            spec_args = ("--speculative", "ngram")
+        elif name in ("pagedserve-spec", "pagedserve-suffix"):
+            method = "ngram" if name == "pagedserve-spec" else "suffix"
+            spec_args = ("--speculative", method)
             specs.append(ServerSpec(name, _pagedserve(args, caching=True, extra=spec_args)))
         elif name == "naive":
             specs.append(ServerSpec(name, _naive(args)))
@@ -264,7 +265,7 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
             )
         else:
             choices = ", ".join(
-                (*SERVER_NAMES, "pagedserve-lpm", "pagedserve-spec", "llama-server-npN",
+                (*SERVER_NAMES, "pagedserve-lpm", "pagedserve-spec", "pagedserve-suffix", "llama-server-npN",
                  "llama-server-spec[-npN]")
             )  # fmt: skip
             hint = " (llama.cpp is now llama-cpp-python: its server)" if name == "llama.cpp" else ""

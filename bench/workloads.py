@@ -18,6 +18,10 @@ The workloads, all built from a fixed word list and a seed (same seed, same prom
 - `copy-edit`: answers that repeat their prompt (issue 42's speculative-decoding load):
   each prompt holds a small Python file of its own (about 40 lines) and asks for the whole
   file back with one function renamed; `--prefix-len` and the question are not used.
+- `repeat`: requests the server already answered (a retried or repeated agent step: the
+  suffix-decoding load of issue 42): `--num-prefixes` distinct prompts, each a prefix and a
+  question of its own, and request i asks prompt i % P, so from request P + 1 on every
+  request repeats an earlier one word for word.
 - `model-alternate`, `model-zipf`: the shared-prefix prompts sent to several models of one
   server (issue 44's load: `serve --models-dir`, llama-server's router mode): request i
   goes to model i % M, or to model m drawn with weight 1 / (m + 1); the load generator
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 WORKLOADS = ("shared-prefix", "zipf-prefix", "bursty-prefix", "unique", "multi-turn", "copy-edit",
-             "model-alternate", "model-zipf")  # fmt: skip
+             "repeat", "model-alternate", "model-zipf")  # fmt: skip
 # Prompts sent to several models, each request to one (`Prompt.model_index`).
 MODEL_WORKLOADS = ("model-alternate", "model-zipf")
 # Prompts grouped by a shared prefix.
@@ -184,8 +188,7 @@ def shared_prefixes(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[str]:
 
 
 def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
-    """The prompts of a single-turn workload (`shared-prefix`, `zipf-prefix` or `unique`),
-    in send order."""
+    """The prompts of a single-turn workload (all but `multi-turn`), in send order."""
     if spec.name == "multi-turn":
         raise ValueError("multi-turn is built with build_conversations")
     if spec.name == "copy-edit":
@@ -195,15 +198,17 @@ def build_prompts(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Prompt]:
     groups = groups(spec) if groups is not None else None
     models = model_indices(spec) if spec.name in MODEL_WORKLOADS else None
     prompts = []
-    for i in range(spec.num_requests):
+    for request in range(spec.num_requests):
+        # A repeat asks again, word for word, what prompt i % P asked.
+        i = request % spec.num_prefixes if spec.name == "repeat" else request
         question = question_text(tokenizer, _rng(spec, "question", i), i, spec.question_len)
         if prefixes is not None:
-            group = groups[i] if groups is not None else i % spec.num_prefixes
+            group = groups[request] if groups is not None else i % spec.num_prefixes
             prefix = prefixes[group]
         else:
             group = i
             prefix = text_of_tokens(tokenizer, _rng(spec, "unique", i), spec.prefix_len)
-        prompts.append(Prompt(prefix + question, group, models[i] if models else None))
+        prompts.append(Prompt(prefix + question, group, models[request] if models else None))
     return prompts
 
 

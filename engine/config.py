@@ -257,10 +257,11 @@ class EngineConfig:
     # request may verify draft tokens taken from what it has seen, several tokens a step.
     speculative: str = flag(
         "off",
-        choices=("ngram", "off"),
+        choices=("ngram", "suffix", "off"),
         help="ngram: draft tokens from the request's own prompt and output (prompt "
-        "lookup), verified in one step; the output is unchanged, repetitive answers come "
-        "faster (default off)",
+        "lookup), verified in one step; suffix: the same, then from earlier requests' "
+        "outputs (retried or repeated steps); the output is unchanged, repetitive answers "
+        "come faster (default off)",
     )
     num_speculative_tokens: int = flag(
         8, POSITIVE_INT, help="the most draft tokens a request verifies in one step (default 8)"

@@ -38,7 +38,7 @@ from engine.model_runner import ModelRunner, SampledTokens
 from engine.outputs import EngineCoreOutput
 from engine.resolved_config import ResolvedConfig
 from engine.sampling_metadata import make_generator
-from engine.speculative import Speculator
+from engine.speculative import DRAFTERS, Speculator
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.tp_worker import start_workers, stop_workers, worker_step
@@ -105,8 +105,8 @@ class EngineCore:
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.speculator = (
-            Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS)
-            if engine.speculative == "ngram"
+            Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, DRAFTERS[engine.speculative]())
+            if engine.speculative != "off"
             else None
         )
         # kv_blocks is published whenever the pool changes (steps, aborts, a cache reset), so
@@ -384,6 +384,7 @@ class EngineCore:
         ]
         self._update_stats(sched_out, sum(len(o.new_token_ids) for o in outputs), updated)
         if self.speculator is not None:
+            self.speculator.finished([r for r in updated if r.is_finished])
             self.speculator.propose(self.scheduler.running)
         return outputs
 

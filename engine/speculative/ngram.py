@@ -34,6 +34,10 @@ class TokenHistory:
             self._buf += array("I", token_ids[self._num_tokens :]).tobytes()
             self._num_tokens = len(token_ids)
 
+    def suffix(self, n: int) -> bytes:
+        """The last n tokens (fewer if it holds fewer), packed."""
+        return bytes(self._buf[-n * TOKEN_BYTES :])
+
     def propose(self, min_n: int, max_n: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n tokens,
         trying the longest n first; [] when no suffix of min_n..max_n tokens recurs."""
@@ -59,9 +63,16 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, request: Request, k: int) -> list[int]:
-        spec = request.spec  # the speculator's RequestSpec: the history lives there
-        history = spec.drafter_state
-        if history is None:
-            history = spec.drafter_state = TokenHistory()
-        history.sync(request.all_token_ids)
-        return history.propose(self.min_n, self.max_n, k)
+        return self._history(request).propose(self.min_n, self.max_n, k)
+
+    def finished(self, request: Request) -> None:
+        """A request ended: prompt lookup keeps nothing of it."""
+
+    @staticmethod
+    def _history(request: Request) -> TokenHistory:
+        """The request's tokens, packed and brought up to date (kept on its RequestSpec)."""
+        spec = request.spec
+        if spec.drafter_state is None:
+            spec.drafter_state = TokenHistory()
+        spec.drafter_state.sync(request.all_token_ids)
+        return spec.drafter_state

@@ -40,6 +40,10 @@ class Drafter(Protocol):
         """Up to k tokens the request's output may continue with after its last token."""
         ...
 
+    def finished(self, request: Request) -> None:
+        """The request ended (its tokens are final): what the drafter keeps of it."""
+        ...
+
 
 class RequestSpec:
     """A request's drafting state (on `Request.spec`, so it goes with the request)."""
@@ -85,6 +89,11 @@ class Speculator:
     def _may_speculate(request: Request) -> bool:
         decoding = len(request.all_token_ids) - request.num_computed_tokens == 1
         return decoding and request.grammar is None and request.sampling_params.speculative
+
+    def finished(self, requests: list[Request]) -> None:
+        """Requests that ended this step, whatever the reason."""
+        for request in requests:
+            self.drafter.finished(request)
 
     def record(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """A verification's outcome: `num_emitted` tokens (the kept drafts and one more)."""

@@ -73,6 +73,17 @@ def test_unique_prompts_share_nothing_but_have_the_same_lengths(tokenizer):
     assert min(unique_lens) > 48
 
 
+def test_repeat_prompts_ask_again_word_for_word(tokenizer):
+    spec = WorkloadSpec("repeat", num_requests=7, prefix_len=32, num_prefixes=3)
+    prompts = build_prompts(spec, tokenizer)
+    assert len({p.text for p in prompts}) == 3
+    for i, prompt in enumerate(prompts):
+        assert prompt == prompts[i % 3]
+    # The distinct prompts are unique-workload prompts: nothing shared between them.
+    unique = build_prompts(WorkloadSpec("unique", num_requests=3, prefix_len=32), tokenizer)
+    assert [p.text for p in prompts[:3]] == [p.text for p in unique]
+
+
 def test_conversations_split_the_requests_and_resend_the_history(tokenizer):
     spec = WorkloadSpec("multi-turn", num_requests=10, prefix_len=30, turns=4)
     conversations = build_conversations(spec, tokenizer)

@@ -1,4 +1,4 @@
-"""Speculative decoding (`--speculative ngram`) changes the speed, never the output.
+"""Speculative decoding (`--speculative ngram|suffix`) changes the speed, never the output.
 
 Each case runs the same requests with speculation on and off and the outputs must be
 identical: greedy tokens (and transformers' greedy tokens, the float32 reference),
@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingMetadata
-from engine.speculative import accept_drafts
+from engine.speculative import DRAFTERS, accept_drafts
 from engine.speculative.ngram import NgramDrafter, TokenHistory
+from engine.speculative.speculator import RequestSpec
+from engine.speculative.suffix import SuffixCorpus, SuffixDrafter
 from engine.speculative.verify import rewind
 from tests.engine.test_engine_golden import hf_greedy
 from tests.engine.tiny_models import make_tiny_model_dir
@@ -228,3 +231,74 @@ def test_ngram_history_proposes_what_followed_the_last_occurrence():
     history = TokenHistory()
     history.sync(tokens)
     assert history.propose(3, 3, 5) == tokens[103:108]
+
+
+# -- suffix drafting: earlier requests' outputs ------------------------------------------
+
+
+def test_a_repeated_request_drafts_its_whole_answer_from_the_earlier_one(tmp_path):
+    """`--speculative suffix`: the first request's output joins the corpus; the same
+    request again drafts from it and keeps nearly every draft, with the same tokens as
+    without speculation. Prompt lookup alone (`ngram`) has nothing to draft from there."""
+    path = make_tiny_model_dir(tmp_path, "llama", seed=1)
+    prompt = tiny_prompts(1)[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (want,) = generate(LLM(str(path), dtype="float32"), [prompt], params)
+    kept = {}
+    for method in ("ngram", "suffix"):
+        on = LLM(str(path), dtype="float32", speculative=method, num_speculative_tokens=8)
+        assert isinstance(on.engine.core.speculator.drafter, DRAFTERS[method])
+        (first,) = generate(on, [prompt], params)
+        before = spec_counts(on)[1]
+        (again,) = generate(on, [prompt], params)
+        assert first.token_ids == again.token_ids == want.token_ids
+        kept[method] = spec_counts(on)[1] - before
+        assert_blocks_free(on)
+    assert kept["suffix"] >= 30, kept  # of 39 tokens after the first
+    assert kept["ngram"] < kept["suffix"] // 2, kept
+
+
+def test_the_suffix_corpus_returns_what_followed_the_newest_occurrence_and_stays_bounded():
+    corpus = SuffixCorpus(max_tokens=20)
+    packed = lambda ids: array("I", ids).tobytes()  # noqa: E731
+    corpus.add([1, 2, 3, 4, 5])
+    corpus.add([7, 2, 3, 9])
+    assert corpus.follow(packed([2, 3]), 3) == [9]  # the newest; cut at the output's end
+    assert corpus.follow(packed([3, 4]), 3) == [5]
+    assert corpus.follow(packed([3, 9]), 3) == []  # occurs, nothing after it
+    assert corpus.follow(packed([5, 7]), 3) is None  # no match across two outputs
+    corpus.add(list(range(100, 110)))  # 6 + 5 + 11 tokens: the oldest goes
+    assert corpus.num_tokens <= 20
+    assert corpus.follow(packed([3, 4]), 3) is None
+    assert corpus.follow(packed([2, 3]), 3) == [9]
+    corpus.add(list(range(30)))  # larger than the corpus: not kept, nothing dropped
+    assert corpus.follow(packed([2, 3]), 3) == [9]
+    # Ids past one byte match only on 4-byte boundaries.
+    corpus = SuffixCorpus()
+    corpus.add([0x01020304, 0x05060708, 42])
+    assert corpus.follow(bytes([3, 2, 1, 8]), 2) is None
+    assert corpus.follow(packed([0x05060708]), 2) == [42]
+
+
+class _Request:
+    """What a drafter reads of a request."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt_token_ids, self.output_token_ids = prompt, output
+        self.all_token_ids = prompt + output
+        self.num_prompt_tokens, self.num_output_tokens = len(prompt), len(output)
+        self.spec = RequestSpec(8)
+
+
+def test_the_suffix_drafter_takes_the_longest_match_own_tokens_first():
+    drafter = SuffixDrafter(min_n=2, max_n=4, corpus=SuffixCorpus())
+    drafter.finished(_Request([50, 51, 52, 53, 54, 1], [2, 3, 4, 60, 61]))
+    # The corpus holds the prompt's last 4 tokens and the output.
+    assert drafter.corpus.follow(array("I", [51, 52]).tobytes(), 2) is None
+    # Own tokens match [3, 4] (2 tokens), the corpus [2, 3, 4] (3): the longer wins.
+    assert drafter.propose(_Request([3, 4, 8, 8, 2, 3, 4], []), 2) == [60, 61]
+    # Equal lengths: the request's own continuation.
+    assert drafter.propose(_Request([9, 3, 4, 70, 9, 3, 4], []), 2) == [70, 9]
+    # The answer's first tokens match the end of the earlier prompt.
+    assert drafter.propose(_Request([77, 53, 54, 1], []), 3) == [2, 3, 4]
+    assert drafter.propose(_Request([5, 6, 7], []), 3) == []
