@@ -259,8 +259,8 @@ class EngineConfig:
         "off",
         choices=("ngram", "suffix", "off"),
         help="ngram: draft tokens from the request's own prompt and output (prompt "
-        "lookup), verified in one step; suffix: the same, then from earlier requests' "
-        "outputs (retried or repeated steps); the output is unchanged, repetitive answers "
+        "lookup), verified in one step; suffix: the same, and from earlier requests' "
+        "outputs too (retried or repeated steps); the output is unchanged, repetitive answers "
         "come faster (default off)",
     )
     num_speculative_tokens: int = flag(

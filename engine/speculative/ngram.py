@@ -34,10 +34,6 @@ class TokenHistory:
             self._buf += array("I", token_ids[self._num_tokens :]).tobytes()
             self._num_tokens = len(token_ids)
 
-    def suffix(self, n: int) -> bytes:
-        """The last n tokens (fewer if it holds fewer), packed."""
-        return bytes(self._buf[-n * TOKEN_BYTES :])
-
     def propose(self, min_n: int, max_n: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n tokens,
         trying the longest n first; [] when no suffix of min_n..max_n tokens recurs."""

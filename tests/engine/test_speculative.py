@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import random
-from array import array
 
 import pytest
 import torch
@@ -258,26 +257,26 @@ def test_a_repeated_request_drafts_its_whole_answer_from_the_earlier_one(tmp_pat
     assert kept["ngram"] < kept["suffix"] // 2, kept
 
 
-def test_the_suffix_corpus_returns_what_followed_the_newest_occurrence_and_stays_bounded():
+def test_the_suffix_corpus_finds_the_longest_suffix_newest_first_and_stays_bounded():
     corpus = SuffixCorpus(max_tokens=20)
-    packed = lambda ids: array("I", ids).tobytes()  # noqa: E731
     corpus.add([1, 2, 3, 4, 5])
     corpus.add([7, 2, 3, 9])
-    assert corpus.follow(packed([2, 3]), 3) == [9]  # the newest; cut at the output's end
-    assert corpus.follow(packed([3, 4]), 3) == [5]
-    assert corpus.follow(packed([3, 9]), 3) == []  # occurs, nothing after it
-    assert corpus.follow(packed([5, 7]), 3) is None  # no match across two outputs
+    assert corpus.longest([2, 3], 2, 3) == (2, [9])  # the newest; cut at the output's end
+    assert corpus.longest([1, 2, 3], 2, 3) == (3, [4, 5])  # the longest, though older
+    assert corpus.longest([8, 3, 4], 1, 3) == (2, [5])
+    assert corpus.longest([7, 3, 4], 3, 3) == (0, [])  # shorter than min_n
+    assert corpus.longest([3, 9], 2, 3) == (0, [])  # occurs, but nothing follows it
+    assert corpus.longest([5, 7], 2, 3) == (0, [])  # no match across two outputs
     corpus.add(list(range(100, 110)))  # 6 + 5 + 11 tokens: the oldest goes
     assert corpus.num_tokens <= 20
-    assert corpus.follow(packed([3, 4]), 3) is None
-    assert corpus.follow(packed([2, 3]), 3) == [9]
+    assert corpus.longest([3, 4], 2, 3) == (0, [])
+    assert corpus.longest([2, 3], 2, 3) == (2, [9])
+    assert corpus.longest([101, 102], 2, 3) == (2, [103, 104, 105])
     corpus.add(list(range(30)))  # larger than the corpus: not kept, nothing dropped
-    assert corpus.follow(packed([2, 3]), 3) == [9]
-    # Ids past one byte match only on 4-byte boundaries.
+    assert corpus.longest([2, 3], 2, 3) == (2, [9])
     corpus = SuffixCorpus()
-    corpus.add([0x01020304, 0x05060708, 42])
-    assert corpus.follow(bytes([3, 2, 1, 8]), 2) is None
-    assert corpus.follow(packed([0x05060708]), 2) == [42]
+    corpus.add([0x01020304, 0x05060708, 42])  # ids past 16 bits
+    assert corpus.longest([0x01020304, 0x05060708], 2, 2) == (2, [42])
 
 
 class _Request:
@@ -294,7 +293,8 @@ def test_the_suffix_drafter_takes_the_longest_match_own_tokens_first():
     drafter = SuffixDrafter(min_n=2, max_n=4, corpus=SuffixCorpus())
     drafter.finished(_Request([50, 51, 52, 53, 54, 1], [2, 3, 4, 60, 61]))
     # The corpus holds the prompt's last 4 tokens and the output.
-    assert drafter.corpus.follow(array("I", [51, 52]).tobytes(), 2) is None
+    assert drafter.corpus.longest([51, 52], 2, 2) == (0, [])
+    assert drafter.corpus.longest([52, 53], 2, 2) == (2, [54, 1])
     # Own tokens match [3, 4] (2 tokens), the corpus [2, 3, 4] (3): the longer wins.
     assert drafter.propose(_Request([3, 4, 8, 8, 2, 3, 4], []), 2) == [60, 61]
     # Equal lengths: the request's own continuation.
