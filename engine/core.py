@@ -104,9 +104,10 @@ class EngineCore:
             config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
+        drafter = DRAFTERS.get(engine.speculative)
         self.speculator = (
-            Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, DRAFTERS[engine.speculative]())
-            if engine.speculative != "off"
+            Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, drafter(), self._encode_text)
+            if drafter is not None
             else None
         )
         # kv_blocks is published whenever the pool changes (steps, aborts, a cache reset), so
@@ -137,6 +138,10 @@ class EngineCore:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Text to token ids as the model would continue with it (no special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def num_blocks(self) -> int:
@@ -273,12 +278,15 @@ class EngineCore:
         cache_salt: str | None = None,
         priority: int = 0,
         queue_timeout: float | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request; ValueError (naming the limit) when it can never run.
 
         `priority`: lower is admitted (and kept from preemption) first. `queue_timeout`:
-        seconds it may wait before its first step; past them it finishes unscheduled
-        with finish_reason "queue_timeout".
+        seconds it may wait before its first step, counted from `arrival_time` (a
+        `time.monotonic()`, default now: the server passes when the request reached it,
+        so time spent waiting for the engine thread counts); past them it finishes
+        unscheduled with finish_reason "queue_timeout".
 
         A request with structured outputs compiles its grammar here unless it is cached:
         the server compiles it beforehand on another thread, so the step never waits.
@@ -287,6 +295,7 @@ class EngineCore:
         request = Request(
             request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt, priority=priority, queue_timeout=queue_timeout,
+            arrival_time=arrival_time,
         )  # fmt: skip
         request.grammar = self.structured_outputs.new_matcher(request)  # GrammarError first
         if params.seed is not None and not params.greedy:

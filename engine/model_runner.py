@@ -14,7 +14,7 @@ keeps the drafts the samples agree with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
 from engine.speculative.verify import accept_drafts, rewind
 from engine.structured_output import StructuredOutputManager
 from scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -145,7 +148,7 @@ class ModelRunner:
             [r.generator for r in requests],
             [r.eos_token_ids for r in requests],
             self.device,
-            grammar=self.structured_outputs.bitmask(requests) if self.structured_outputs else None,
+            grammar=self._grammar_bitmask(rows, requests),
         )
         result = self.sampler(logits, meta)
         token_ids = result.token_ids.tolist()
@@ -162,6 +165,13 @@ class ModelRunner:
             tokens[request.request_id] = SampledTokens(kept, None if lps[0] is None else lps)
             row += n
         return tokens
+
+    def _grammar_bitmask(self, rows: list[_Row], requests: list) -> GrammarBitmask | None:
+        """The constrained rows' mask, each position after the drafts before it."""
+        if self.structured_outputs is None:
+            return None
+        drafts = [r.drafts[: r.position] for r in rows] if any(r.drafts for r in rows) else None
+        return self.structured_outputs.bitmask(requests, drafts)
 
 
 @dataclass(slots=True)

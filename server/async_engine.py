@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine import RequestOutput
@@ -245,6 +245,7 @@ class AsyncEngine:
         future: asyncio.Future = loop.create_future()
         # Registered before the core can step them: their first outputs find their state.
         arrival = time.monotonic()
+        requests = [replace(r, arrival_time=arrival) for r in requests]
         for r in requests:
             client = _Client(stream, RequestTimes(arrival, r.queue_timeout))
             self._processor.add_request(r.request_id, r.prompt_token_ids, r.params, client)

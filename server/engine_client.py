@@ -23,6 +23,9 @@ class EngineRequest:
     cache_salt: str | None = None
     priority: int = 0
     queue_timeout: float | None = None
+    # time.monotonic() when it reached the engine client (set there): its queue timeout
+    # and arrival order count from it, not from when the engine thread took it in.
+    arrival_time: float | None = None
 
 
 class EngineError(RuntimeError):

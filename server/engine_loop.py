@@ -285,7 +285,7 @@ class EngineLoop:
             for r in command.requests:
                 self.core.add_request(
                     r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
-                    r.priority, r.queue_timeout,
+                    r.priority, r.queue_timeout, r.arrival_time,
                 )  # fmt: skip
                 added.append(r.request_id)
         except Exception as exc:  # ValueError: impossible request; anything else: a bug

@@ -9,16 +9,20 @@ the step is compute-bound and drafts only slow it. So:
 - each request's draft length adapts to what it had accepted: doubled (up to
   `num_tokens`) after all were kept, cut to one past what was kept after a miss, and
   after repeated misses it stops proposing for a while (2, 4, ... up to 32 steps);
-- requests with a grammar (or a thinking budget, which is a matcher too) get no drafts
-  (their drafts would have to be checked against the matcher first), nor those that opted out (`SamplingParams.speculative`).
+- a request under a grammar drafts only what its grammar allows, plus the tokens the
+  grammar forces (`grammar.py`); one under a thinking budget (a matcher too) gets no
+  drafts, nor one that opted out (`SamplingParams.speculative`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.speculative.grammar import GrammarDrafts
 from engine.speculative.ngram import NgramDrafter
+from engine.structured_output.thinking_budget import ThinkingBudgetMatcher
 from scheduler import Request
 
 MAX_BACKOFF_STEPS = 32
@@ -58,12 +62,21 @@ class RequestSpec:
 
 
 class Speculator:
-    def __init__(self, num_tokens: int, max_rows: int, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        max_rows: int,
+        drafter: Drafter | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        """`encode` (text to token ids) lets requests under a grammar draft the text it
+        forces; without it they draft only what the drafter proposes."""
         if num_tokens < 1 or max_rows < 2:
             raise ValueError("speculative decoding needs num_tokens >= 1 and max_rows >= 2")
         self.num_tokens = num_tokens
         self.max_rows = max_rows
         self.drafter: Drafter = drafter if drafter is not None else NgramDrafter()
+        self._grammar = GrammarDrafts(encode or (lambda _: []))
         self.stats = SpecStats(accepted_per_pos=[0] * num_tokens)
 
     def propose(self, running: list[Request]) -> None:
@@ -78,17 +91,23 @@ class Speculator:
             state = request.spec
             if state is None:
                 state = request.spec = RequestSpec(self.num_tokens)
+            drafts: list[int] = []
             if state.skip:
                 state.skip -= 1
-                continue
-            drafts = self.drafter.propose(request, min(state.k, rows_left))
+            else:
+                drafts = self.drafter.propose(request, min(state.k, rows_left))
+            if request.grammar is not None:
+                # Forced tokens are always kept: up to the whole budget, whatever k is.
+                k = min(self.num_tokens, rows_left)
+                drafts = self._grammar.check(request.grammar, drafts, k)
             request.spec_token_ids = drafts
             rows_left -= len(drafts)
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:
         decoding = len(request.all_token_ids) - request.num_computed_tokens == 1
-        return decoding and request.grammar is None and request.sampling_params.speculative
+        budget = isinstance(request.grammar, ThinkingBudgetMatcher)
+        return decoding and not budget and request.sampling_params.speculative
 
     def finished(self, requests: list[Request]) -> None:
         """Requests that ended this step, whatever the reason."""

@@ -66,19 +66,53 @@ class StructuredOutputManager:
         stop = sorted(request.eos_token_ids) or None
         return xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
 
-    def bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
+    def bitmask(
+        self, requests: Sequence[Request], drafts_before: Sequence[Sequence[int]] | None = None
+    ) -> GrammarBitmask | None:
         """The mask of a step's sampled rows (requests in row order); None if no row is
-        constrained this step."""
+        constrained this step. A verifying request has a row per position, in order, and
+        `drafts_before` gives each row the drafts before it: its matcher is advanced
+        through them to fill each row, then rolled back (the drafts are not yet kept)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
         from engine.structured_output.bitmask import GrammarBitmask
 
         buffer = self._buffer(len(requests))
-        # A matcher answers whether its row needs applying (xgrammar's `need_apply`): an
-        # all-allowed row (a thinking budget while it counts) leaves that row's logits alone.
-        rows = [i for i in rows if requests[i].grammar.fill_next_token_bitmask(buffer, i)]
-        return GrammarBitmask(buffer[: len(requests)], rows) if rows else None
+        filled: list[int] = []
+        i = rows[0]
+        while i < len(requests):
+            request = requests[i]
+            end = i + 1  # the request's rows: i .. end - 1, one per position
+            while end < len(requests) and requests[end] is request:
+                end += 1
+            if request.grammar is not None:
+                drafts = drafts_before[end - 1] if drafts_before else ()
+                filled += self._fill(request.grammar, drafts, buffer, range(i, end))
+            i = end
+        return GrammarBitmask(buffer[: len(requests)], filled) if filled else None
+
+    @staticmethod
+    def _fill(grammar: Any, drafts: Sequence[int], buffer: torch.Tensor, rows: range) -> list[int]:
+        """Fill a request's rows (position p after drafts[:p]); the rows that need applying.
+        A matcher answers whether its row does (xgrammar's `need_apply`): an all-allowed row
+        (a thinking budget while it counts) leaves that row's logits alone."""
+        filled, accepted = [], 0
+        for position, row in enumerate(rows):
+            # A draft the grammar refuses was masked out at the row before, and one that ends
+            # it (its stop token) ends the request: either way the verification keeps
+            # nothing past it, so the rows after it need no mask.
+            if position:
+                if not grammar.accept_token(drafts[position - 1]):
+                    break
+                accepted += 1
+                if grammar.is_terminated():
+                    break
+            if grammar.fill_next_token_bitmask(buffer, row):
+                filled.append(row)
+        if accepted:
+            grammar.rollback(accepted)  # the drafts are kept later, by the scheduler
+        return filled
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:

@@ -12,15 +12,18 @@ Each case checks that drafts were kept, so none can pass with the drafter idle.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
+import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputs
 from engine.sampler import Sampler, SamplingMetadata
 from engine.speculative import DRAFTERS, accept_drafts
+from engine.speculative.grammar import GrammarDrafts
 from engine.speculative.ngram import NgramDrafter, TokenHistory
 from engine.speculative.speculator import RequestSpec
 from engine.speculative.suffix import SuffixCorpus, SuffixDrafter
@@ -50,6 +53,9 @@ class OracleDrafter:
         if rng.random() < 0.35:
             drafts[rng.randrange(len(drafts))] = rng.randrange(3, 1000)
         return drafts
+
+    def finished(self, request) -> None:
+        pass
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -302,3 +308,62 @@ def test_the_suffix_drafter_takes_the_longest_match_own_tokens_first():
     # The answer's first tokens match the end of the earlier prompt.
     assert drafter.propose(_Request([77, 53, 54, 1], []), 3) == [2, 3, 4]
     assert drafter.propose(_Request([5, 6, 7], []), 3) == []
+
+
+# -- under a grammar ---------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "station_identifier": {"enum": ["north-ridge-observatory", "south-harbour-buoy"]},
+        "temperature_celsius": {"type": "integer", "minimum": -40, "maximum": 60},
+        "conditions": {"enum": ["clear", "overcast", "thunderstorm"]},
+    },
+    "required": ["station_identifier", "temperature_celsius", "conditions"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("knobs", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 3}],
+                         ids=["greedy", "seeded"])  # fmt: skip
+def test_under_a_grammar_forced_tokens_are_drafted_and_the_output_is_unchanged(tmp_path, knobs):
+    """A JSON schema whose keys and enum values the grammar forces token by token: those
+    are drafted (jump-forward) and kept; the output is the same tokens as without
+    speculation, and valid."""
+    path = make_tiny_model_dir(tmp_path, "llama", seed=1)
+    spec = StructuredOutputs.json_schema(WEATHER)
+    params = SamplingParams(max_tokens=120, structured_outputs=spec, **knobs)
+    prompts = tiny_prompts(3)
+    want = generate(LLM(str(path), dtype="float32"), prompts, params)
+    on = LLM(str(path), dtype="float32", speculative="ngram", num_speculative_tokens=8)
+    got = generate(on, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out in got:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), WEATHER)
+    drafted, kept = spec_counts(on)
+    assert kept >= 20, (drafted, kept)  # the keys alone are ~20 forced tokens a request
+    assert_blocks_free(on)
+
+
+def test_grammar_drafts_stop_at_a_refused_token_then_add_the_forced_text():
+    llm = LLM(dtype="float32", num_blocks=64)
+    tok = llm.engine.core.tokenizer
+    spec = StructuredOutputs("regex", "Answer: (yes|no), because [a-z ]{1,20}\\.")
+    import xgrammar as xgr
+
+    grammar = llm.engine.core.structured_outputs.compile(spec).grammar
+    matcher = xgr.GrammarMatcher(grammar)
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    checker = GrammarDrafts(encode)
+    # A right draft is kept whole, and the text the grammar forces after it is added.
+    answer = encode("Answer: yes")
+    assert tok.decode(checker.check(matcher, answer, 8)) == "Answer: yes, because "
+    assert tok.decode(checker.check(matcher, answer, 3)) == tok.decode(answer[:3])  # k caps it
+    # A token the grammar refuses cuts the draft there; then the forced text again.
+    assert tok.decode(checker.check(matcher, encode("Answer: maybe"), 8)) == "Answer: "
+    # No draft at all: the forced start.
+    assert tok.decode(checker.check(matcher, [], 8)) == "Answer: "
+    assert matcher.accept_string("Answer: no, because x.")  # the matcher was left at the start
+    # Without an encoder (no tokenizer), only the drafter's drafts.
+    assert GrammarDrafts(lambda _: []).check(xgr.GrammarMatcher(grammar), [], 8) == []

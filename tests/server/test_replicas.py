@@ -7,11 +7,13 @@ requests. The replica-kill test runs last: Ray Serve replaces the replica it kil
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import httpx
 import openai
@@ -35,9 +37,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Ray Serve gives a starting proxy 5 s to answer its ready check, then kills it (and
+# serve.start fails): a busy 2-core machine starts one in more (2026-11-27, beside two busy
+# processes). Its processes read these when ray.init starts them.
+SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def ingress(tiny_model_dir) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with mock.patch.dict(os.environ, SLOW_MACHINE_ENV):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -121,7 +131,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
         after = per_replica(ingress, success, finished_reason="length")
         return {r: after[r] - before.get(r, 0.0) for r in after}
 
-    wait_until(lambda: sum(served().values()) == 6, 20, "replica metrics did not catch up")
+    wait_until(lambda: sum(served().values()) == 6, 60, "replica metrics did not catch up")
     counts = sorted(served().values())
     assert counts[-1] == 6 and sum(counts) == 6, served()
     hits = per_replica(ingress, "pagedserve:prefix_cache_hits_total")
@@ -136,7 +146,7 @@ def test_a_disconnect_frees_the_replicas_blocks(ingress):
         for _ in range(3):
             next(lines)
     usage = "pagedserve:kv_cache_usage_perc"
-    wait_until(lambda: set(per_replica(ingress, usage).values()) == {0.0}, 20,
+    wait_until(lambda: set(per_replica(ingress, usage).values()) == {0.0}, 60,
                "a replica kept the disconnected request's blocks")  # fmt: skip
 
 
@@ -159,7 +169,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
     running = "pagedserve:num_requests_running"
     for t in threads:
         t.start()
-    wait_until(lambda: sum(per_replica(ingress, running).values()) >= 4, 20, "streams running")
+    wait_until(lambda: sum(per_replica(ingress, running).values()) >= 4, 60, "streams running")
     victim = max(per_replica(ingress, running).items(), key=lambda kv: kv[1])[0]
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)

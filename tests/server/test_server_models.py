@@ -154,7 +154,7 @@ def test_requests_route_by_model_and_load_on_first_use(server: Server) -> None:
     # Each engine's series, labelled with its model; its pool has every block back.
     assert server.metric("pagedserve:generation_tokens_total", model="beta") >= 6
     kv = server.router.registry.named("beta").client.core.kv_cache_manager
-    wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 10, "beta's blocks come back")
+    wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 60, "beta's blocks come back")
     # /reset_prefix_cache resets every loaded model's cache, beta's too.
     prompt = random_ids(12, 40)
     server.sdk.completions.create(model="beta", prompt=prompt, max_tokens=2)
@@ -170,7 +170,7 @@ def test_a_load_keeps_the_other_models_serving(server: Server) -> None:
     waiting = threading.Thread(target=lambda: answers.append(server.complete("gamma")))
     waiting.start()
     try:
-        wait_until(lambda: server.states()["gamma"]["value"] == "loading", 10, "gamma loads")
+        wait_until(lambda: server.states()["gamma"]["value"] == "loading", 60, "gamma loads")
         assert server.complete("alpha").model == "alpha"  # served while gamma loads
         assert not answers and server.states()["gamma"]["value"] == "loading"
     finally:
