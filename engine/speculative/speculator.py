@@ -91,14 +91,14 @@ class Speculator:
             state = request.spec
             if state is None:
                 state = request.spec = RequestSpec(self.num_tokens)
-            drafts: list[int] = []
             if state.skip:
                 state.skip -= 1
-            else:
-                drafts = self.drafter.propose(request, min(state.k, rows_left))
+                continue
+            k = min(state.k, rows_left)
+            drafts = self.drafter.propose(request, k)
             if request.grammar is not None:
-                # Forced tokens are always kept: up to the whole budget, whatever k is.
-                k = min(self.num_tokens, rows_left)
+                # The text a grammar forces is certain, its tokens are not (the model may
+                # split it otherwise): they adapt as any drafts do.
                 drafts = self._grammar.check(request.grammar, drafts, k)
             request.spec_token_ids = drafts
             rows_left -= len(drafts)
