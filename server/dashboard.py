@@ -64,6 +64,12 @@ class RequestsModel(BaseModel):
     waiting: int
 
 
+class SpeculationModel(BaseModel):
+    method: str = Field(description='`--speculative`: "ngram" or "suffix".')
+    draft_tokens: int = Field(description="Draft tokens verified since start (cumulative).")
+    accepted_tokens: int = Field(description="Of those, the ones kept.")
+
+
 class PrefixModel(BaseModel):
     first_block: int | None = Field(description="The chain's first block; null once evicted.")
     blocks: int = Field(description="Cached and in-use blocks of the chains it starts.")
@@ -88,6 +94,9 @@ class DashboardState(BaseModel):
     prefixes: list[PrefixModel] = Field(description="The prefixes holding the most blocks.")
     plan: str = Field(description="How a step executes here: the engine's execution plan, "
                       "as the start-up line says it.")  # fmt: skip
+    speculation: SpeculationModel | None = Field(
+        description="Speculative decoding's drafts; null when it is off."
+    )
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,20 @@ class _Taken:
     running: int
     waiting: int
     taken_at: float
+    speculation: SpeculationModel | None
 
 
 def _take(core: EngineCore) -> _Taken:
     """On the engine thread, between steps (`EngineClient.call`)."""
     stats = core.refresh_stats()
+    method = core.config.engine.speculative
+    speculation = SpeculationModel(
+        method=method,
+        draft_tokens=stats.spec_num_draft_tokens,
+        accepted_tokens=stats.spec_num_accepted_tokens,
+    )
     return _Taken(
+        speculation=None if method == "off" else speculation,
         snapshot=core.pool_snapshot(MAX_PREFIXES),
         block_size=core.block_size,
         plan=core.compute_summary,
@@ -171,6 +188,7 @@ class DashboardSnapshots:
                 hit_rate=taken.hits / taken.queries if taken.queries else 0.0,
             ),
             requests=RequestsModel(running=taken.running, waiting=taken.waiting),
+            speculation=taken.speculation,
             prefixes=[
                 PrefixModel(
                     first_block=group.first_block_id,

@@ -35,6 +35,11 @@ def find_chromium() -> str | None:
     return next((path for name in CHROMIUM_NAMES if (path := shutil.which(name))), None)
 
 
+# How long Chromium may take to answer before a test calls it a hang: long enough for two
+# busy processes on 2 cores beside it (15 s was not, 2026-11-27); nothing here is timed.
+HANG_S = 60
+
+
 class Page:
     """One tab: `evaluate` JavaScript, `wait_for` a condition, `screenshot`."""
 
@@ -42,7 +47,7 @@ class Page:
         self._ws = ws
         self._ids = itertools.count(1)
 
-    def send(self, method: str, timeout_s: float = 15, **params: Any) -> dict[str, Any]:
+    def send(self, method: str, timeout_s: float = HANG_S, **params: Any) -> dict[str, Any]:
         call_id = next(self._ids)
         self._ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
         deadline = time.monotonic() + timeout_s
@@ -53,7 +58,7 @@ class Page:
                     raise RuntimeError(f"{method}: {message['error']}")
                 return message["result"]
 
-    def navigate(self, url: str, timeout_s: float = 15) -> None:
+    def navigate(self, url: str, timeout_s: float = HANG_S) -> None:
         self.send("Page.navigate", url=url)
         self.wait_for("document.readyState === 'complete'", timeout_s, f"{url} did not load")
 
@@ -66,7 +71,7 @@ class Page:
             raise RuntimeError(f"JavaScript failed: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def wait_for(self, expression: str, timeout_s: float = 15, what: str = "") -> Any:
+    def wait_for(self, expression: str, timeout_s: float = HANG_S, what: str = "") -> Any:
         """Poll until the expression is truthy; returns its value."""
         deadline = time.monotonic() + timeout_s
         while not (value := self.evaluate(expression)):

@@ -64,6 +64,7 @@ def test_a_fresh_server_shows_an_all_free_pool(tiny_model_dir):
         assert s["prefixes"] == [] and s["prefix_cache"]["hit_rate"] == 0
         assert s["requests"] == {"running": 0, "waiting": 0}
         assert s["tier"] == "pool" and s["block_size"] == 16
+        assert s["speculation"] is None  # off
         # /metrics has the pool before any step too.
         assert block_gauges(fresh) == {"free": 64, "cached": 0, "in_use": 0, "total": 64}
         # The execution plan: the start-up line on the page, its fields in /metrics' info.
@@ -102,6 +103,29 @@ def test_unknown_query_parameters_are_refused_by_name(server):
     # A key in the query string would land in access logs: the page takes it after '#'.
     error = assert_openai_error(http.get(f"/dashboard?key={API_KEY}"), 400, param="key")
     assert "/dashboard#key=" in error["message"]
+
+
+class _FixedDrafter:
+    """Drafts the same two tokens every step: some verified, most rejected."""
+
+    def propose(self, request, k: int) -> list[int]:
+        return [5, 6][:k]
+
+    def finished(self, request) -> None:
+        pass
+
+
+def test_speculation_shows_the_drafts_metrics_count(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=64, speculative="suffix")
+    engine.core.speculator.drafter = _FixedDrafter()
+    with running_server(engine) as spec:
+        complete(spec, "count the drafts", max_tokens=12)
+        s = state(spec)["speculation"]
+        assert s["method"] == "suffix" and s["draft_tokens"] > 0
+        assert s["draft_tokens"] == spec.metric("pagedserve:spec_decode_num_draft_tokens_total")
+        assert s["accepted_tokens"] == spec.metric(
+            "pagedserve:spec_decode_num_accepted_tokens_total"
+        )
 
 
 def test_state_shows_a_shared_prefix_and_agrees_with_metrics(server):

@@ -94,7 +94,6 @@ def wait_for_update_after(page: Page, moment: float) -> dict:
     return page.wait_for(
         f"window.dashboardState && window.dashboardState.taken_at > {moment}"
         " && window.dashboardState",
-        timeout_s=10,
         what="the page did not show a newer snapshot",
     )
 
@@ -122,6 +121,8 @@ def test_the_page_draws_the_pool_the_server_reports(tiny_model_dir, chromium):
         page.navigate(f"{server.url}/dashboard#key={API_KEY}")
         fresh = page.wait_for("window.dashboardState", what="the page never drew a state")
         assert page.evaluate("document.getElementById('plan').textContent") == fresh["plan"]
+        assert fresh["speculation"] is None
+        assert page.evaluate("document.getElementById('speculation').textContent") == "off"
         assert page.evaluate("location.hash") == ""  # the key left the address bar
         assert_page_shows(page, server, fresh)
         assert fresh["blocks"]["free"] == NUM_BLOCKS
