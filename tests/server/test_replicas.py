@@ -37,11 +37,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Ray Serve gives a starting proxy 5 s to answer its ready check, then kills it (and
-# serve.start fails): a busy 2-core machine starts one in more (2026-11-27, beside two busy
-# processes). Its processes read these when ray.init starts them.
-SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
-                    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}  # fmt: skip
+# Ray Serve gives a starting proxy 5 s to answer its ready check, then kills it, and
+# serve.start waits 60 s for it: beside two busy processes a 2-core machine took 67 s to
+# start one (2026-11-27). Its processes read the environment when ray.init starts them;
+# serve.start's wait is a constant of its module.
+SLOW_MACHINE_S = 300
+SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S),
+                    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,8 @@ def ingress(tiny_model_dir) -> Iterator[str]:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        with mock.patch("ray.serve._private.api.HTTP_PROXY_TIMEOUT", SLOW_MACHINE_S):
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"num_replicas": 2, "engine": {"model": str(tiny_model_dir), **ENGINE},
                 "server": {"served_model_name": MODEL_NAME}}  # fmt: skip
         serve.run(build(args), name=APP, route_prefix="/")
