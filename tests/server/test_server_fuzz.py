@@ -77,9 +77,11 @@ def fuzz_server(tiny_model_dir) -> Iterator[RunningServer]:
 
 @pytest.mark.timeout(300)
 def test_schemathesis_finds_no_failure(fuzz_server: RunningServer) -> None:
+    # hypothesis's "too_slow" health check times the data generation: beside two busy
+    # processes it failed the run (2026-11-27) while nothing was wrong; speed is not checked.
     config = schemathesis.Config.from_dict(
         {"seed": SEED, "generation": {"max-examples": MAX_EXAMPLES},
-         "request-timeout": REQUEST_TIMEOUT_S}
+         "request-timeout": REQUEST_TIMEOUT_S, "suppress-health-check": ["too_slow"]}
     )  # fmt: skip
     # The schema's first read builds it (seconds of pydantic work): schemathesis's own 10 s
     # timeout for it failed beside two busy loops.

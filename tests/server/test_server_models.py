@@ -53,7 +53,7 @@ class GatedLoader:
     def __call__(self, config: EngineConfig, tokenizer: Any) -> AsyncEngine:
         gate = self.gates.get(Path(config.model or "").name)
         if gate is not None:
-            assert gate.wait(30), "the test never opened the gate"
+            assert gate.wait(120), "the test never opened the gate"
         build = lambda: EngineCore.from_config(config, tokenizer=tokenizer)  # noqa: E731
         return AsyncEngine.load(build, log_interval_s=60)
 
@@ -176,7 +176,7 @@ def test_a_load_keeps_the_other_models_serving(server: Server) -> None:
     finally:
         gate.set()
         del server.loader.gates["gamma"]
-        waiting.join(30)
+        waiting.join(120)
     assert answers and answers[0].model == "gamma"  # the request that waited is answered
 
 
