@@ -170,7 +170,7 @@ class ModelRunner:
         """The constrained rows' mask, each position after the drafts before it."""
         if self.structured_outputs is None:
             return None
-        drafts = [r.drafts[: r.position] for r in rows] if any(r.drafts for r in rows) else None
+        drafts = [r.drafts for r in rows] if any(r.drafts for r in rows) else None
         return self.structured_outputs.bitmask(requests, drafts)
 
 

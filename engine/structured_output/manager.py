@@ -67,12 +67,12 @@ class StructuredOutputManager:
         return xgr.GrammarMatcher(grammar, override_stop_tokens=stop)
 
     def bitmask(
-        self, requests: Sequence[Request], drafts_before: Sequence[Sequence[int]] | None = None
+        self, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None
     ) -> GrammarBitmask | None:
         """The mask of a step's sampled rows (requests in row order); None if no row is
         constrained this step. A verifying request has a row per position, in order, and
-        `drafts_before` gives each row the drafts before it: its matcher is advanced
-        through them to fill each row, then rolled back (the drafts are not yet kept)."""
+        `drafts` gives each row its request's drafts this step: the matcher is advanced
+        through them to fill each position's row, then rolled back (they are not yet kept)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
@@ -87,8 +87,8 @@ class StructuredOutputManager:
             while end < len(requests) and requests[end] is request:
                 end += 1
             if request.grammar is not None:
-                drafts = drafts_before[end - 1] if drafts_before else ()
-                filled += self._fill(request.grammar, drafts, buffer, range(i, end))
+                request_drafts = drafts[i] if drafts else ()
+                filled += self._fill(request.grammar, request_drafts, buffer, range(i, end))
             i = end
         return GrammarBitmask(buffer[: len(requests)], filled) if filled else None
 
