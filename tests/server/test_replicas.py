@@ -42,6 +42,9 @@ def _free_port() -> int:
 # start one (2026-11-27). Its processes read the environment when ray.init starts them;
 # serve.start's wait is a constant of its module.
 SLOW_MACHINE_S = 300
+# How long a stream may wait for its next bytes, or a thread for its stream, before the
+# test calls it a hang.
+HANG_S = 120
 SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S),
                     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S)}  # fmt: skip
 
@@ -157,7 +160,7 @@ def _stream(url: str, seed: int, results: list[str]) -> None:
     body = {"prompt": random_ids(seed, 20), "max_tokens": 600, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=HANG_S) as response:
             events = [line for line in response.iter_lines() if line.startswith("data: ")]
         errors = [e for e in events if '"error"' in e]
         results.append("error" if errors else "ok" if events[-1] == "data: [DONE]" else "cut")
@@ -167,19 +170,39 @@ def _stream(url: str, seed: int, results: list[str]) -> None:
 
 def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
     results: list[str] = []
-    threads = [threading.Thread(target=_stream, args=(ingress, 9400 + i, results))
-               for i in range(4)]  # fmt: skip
+    threads: list[threading.Thread] = []
     running = "pagedserve:num_requests_running"
-    for t in threads:
-        t.start()
-    wait_until(lambda: sum(per_replica(ingress, running).values()) >= 4, 60, "streams running")
-    victim = max(per_replica(ingress, running).items(), key=lambda kv: kv[1])[0]
+
+    def start_stream() -> None:
+        threads.append(
+            threading.Thread(target=_stream, args=(ingress, 9400 + len(threads), results))
+        )
+        threads[-1].start()
+
+    def seen_running() -> bool:  # every stream still open is counted by the replicas' metrics
+        return sum(per_replica(ingress, running).values()) >= sum(t.is_alive() for t in threads)
+
+    def serving() -> dict[str, float]:
+        return {r: v for r, v in per_replica(ingress, running).items() if v}
+
+    for _ in range(4):
+        start_stream()
+    wait_until(seen_running, HANG_S, "streams running")
+    # Sent together on a slow machine, all four once went to one replica: more follow, one at
+    # a time, until both replicas serve one.
+    while len(serving()) < 2 and len(threads) < 8:
+        start_stream()
+        wait_until(seen_running, HANG_S, "streams running")
+    live = serving()
+    assert len(live) == 2, f"{len(threads)} streams and one replica serves them: {live}"
+    victim = max(live.items(), key=lambda kv: kv[1])[0]
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
     for t in threads:
-        t.join(120)
+        t.join(HANG_S)
     # The victim's streams end with an error event before [DONE]; the others finish.
-    assert sorted(results).count("error") >= 1 and "ok" in results, results
+    assert len(results) == len(threads), f"a stream hung: {results}"
+    assert sorted(results).count("error") >= 1 and "ok" in results, (results, live)
     assert all(r in ("ok", "error") for r in results), results
     # The other replica keeps serving, and Ray Serve starts a replacement.
     r = client(ingress).completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=3,

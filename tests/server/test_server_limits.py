@@ -92,10 +92,16 @@ def _get_health(sock: socket.socket) -> None:
 
 
 def test_slow_clients_are_closed_and_normal_requests_answered(slow_server: RunningServer):
-    socks = [_connect(slow_server.url) for _ in range(SLOW_CONNECTIONS)]
-    idle, kept_alive, slow = socks[:10], socks[10:20], socks[20:]
-    for sock in kept_alive:  # one full request, then a slow second one on the same socket
+    # One full request as soon as each is connected (its header timeout runs from the
+    # connect: asked after the others, the last ones were closed first beside busy
+    # processes), then a slow second one on the same socket.
+    kept_alive = []
+    for _ in range(10):
+        kept_alive.append(sock := _connect(slow_server.url))
         _get_health(sock)
+    idle = [_connect(slow_server.url) for _ in range(10)]
+    slow = [_connect(slow_server.url) for _ in range(SLOW_CONNECTIONS - 20)]
+    socks = kept_alive + idle + slow
     for sock in kept_alive + slow:
         _trickle(sock, b"GET /health HTTP/1.1\r\nHost: t\r\nX-Slow: ")
     open_ = set(socks)

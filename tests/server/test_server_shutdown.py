@@ -21,6 +21,10 @@ import httpx
 from tests.server.conftest import assert_openai_error, random_ids, sse_payloads, wait_until
 from tests.server.test_server_cli import ENGINE_FLAGS, REPO, _healthy, free_port
 
+# A wait for the server's next bytes before the test calls it a hang (httpx's default is
+# 5 s): beside two busy processes on 2 cores a stream's chunks came more than 5 s apart.
+HANG_S = 60
+
 
 @contextmanager
 def serve_process(
@@ -57,13 +61,15 @@ def long_body(seed: int, max_tokens: int) -> dict:
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model_dir):
     args = ["--model", str(tiny_model_dir), "--drain-timeout", "120", *ENGINE_FLAGS]
     with serve_process(args) as (proc, url):
-        with httpx.stream("POST", f"{url}/v1/completions", json=long_body(1201, 900)) as response:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=long_body(1201, 900), timeout=HANG_S
+        ) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
             # Draining: load balancers see 503, a new request is refused with 503.
             wait_until(lambda: _status(f"{url}/health") == 503, 30, "health did not turn 503")
-            refused = httpx.post(f"{url}/v1/completions", json=long_body(1202, 4), timeout=30)
+            refused = httpx.post(f"{url}/v1/completions", json=long_body(1202, 4), timeout=HANG_S)
             assert assert_openai_error(refused, 503)["code"] == "server_shutdown"
             rest = sse_payloads(lines)
         assert rest[-1] == "[DONE]"
@@ -87,7 +93,7 @@ def test_drain_timeout_aborts_the_rest_cleanly_and_exits_0(tiny_model_dir):
     with serve_process(args, AT_EXIT) as (proc, url):
         # 1,000 decode steps take seconds: the drain timeout ends the request.
         body = long_body(1203, 1000)
-        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=HANG_S) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)
@@ -116,7 +122,7 @@ def test_an_engine_that_keeps_failing_exits_1_for_a_supervisor(tiny_model_dir):
         body = {"prompt": "hi", "max_tokens": 2}
         for _ in range(3):
             try:
-                failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                failed = httpx.post(f"{url}/v1/completions", json=body, timeout=HANG_S)
             except httpx.TransportError:
                 break  # already exiting
             assert failed.status_code in (500, 503), failed.text
@@ -128,6 +134,6 @@ def test_an_engine_that_keeps_failing_exits_1_for_a_supervisor(tiny_model_dir):
 
 def _status(url: str) -> int | None:
     try:
-        return httpx.get(url, timeout=5).status_code
+        return httpx.get(url, timeout=HANG_S).status_code
     except httpx.HTTPError:
         return None
