@@ -14,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Before any test imports torch: see engine/__init__.py.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# pytest-xdist runs the suite in several processes: each gets its share of the cores for
+# torch's threads, as tensor-parallel ranks do (engine/tp_worker.py), and the servers the
+# tests start inherit it. With two threads in each of two workers on 2 cores, a step's
+# parallel regions waited for a sibling thread the OS had not scheduled: beside two busy
+# processes a 2 s test of the default model took 60-80 s (about 1 token/s). Two threads
+# giving the same tokens as one is a test of its own (tests/engine/test_threads.py).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def pytest_addoption(parser) -> None:
