@@ -45,6 +45,10 @@ SLOW_MACHINE_S = 300
 # How long a stream may wait for its next bytes, or a thread for its stream, before the
 # test calls it a hang.
 HANG_S = 120
+# The module's Ray instance, two replicas and the ingress are set up in its first test's
+# time: beside two busy processes that took over 10 minutes (replicas 5, the ingress 7),
+# and the suite's 600 s per-test limit (pyproject.toml) ended the worker twice.
+pytestmark = pytest.mark.timeout(1800)
 SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S),
                     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S)}  # fmt: skip
 
