@@ -206,7 +206,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
         t.join(HANG_S)
     # The victim's streams end with an error event before [DONE]; the others finish.
     assert len(results) == len(threads), f"a stream hung: {results}"
-    assert sorted(results).count("error") >= 1 and "ok" in results, (results, live)
+    assert results.count("error") >= 1 and "ok" in results, (results, live)
     assert all(r in ("ok", "error") for r in results), results
     # The other replica keeps serving, and Ray Serve starts a replacement.
     r = client(ingress).completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=3,
