@@ -1,28 +1,29 @@
-"""The grammar compile thread: idle priority, promoted while a compile waits, and a
-deadline on every compile.
+"""The grammar compile thread: an ordinary thread, and a deadline on every compile.
 
 Grammars (structured outputs) compile on one thread of their own, never on the engine
-thread. It runs at Linux's SCHED_IDLE: only on a core nothing else wants, because a step's
-OpenMP threads wait at a barrier for the slowest of them, so a compile that takes a core's
-time slice now and then slows every step (measured on 2 cores: the p99 inter-token latency
-of running streams rose 1.86x while large schemas compiled at nice 10). But SCHED_IDLE
-never runs while other processes keep every core busy, and then a structured request
-waits forever (the fuzz suite timed out beside two busy loops). Nor is nice 19 enough:
-its weight is 15 against 1024 for each nice-0 process, and beside a parallel native
-build (load ~6 on 2 cores) one compile waited past its client's 120 s. So while any
-compile has waited, the thread climbs `PROMOTIONS`: an ordinary thread at nice 19 after
-1 s, at nice 0 (a fair share of a core) after 4 s; it goes back to idle once no compile
-is left. Leaving SCHED_IDLE and lowering a nice value need CAP_SYS_NICE (or RLIMIT_NICE):
-without them the thread stays where it is.
+thread. It runs at the process's own priority. It once ran at SCHED_IDLE (promoted to
+nice 19, then 0, while a compile waited), so that a compile took no core a step wanted;
+but a thread in this process that runs Python at a lowered priority holds the GIL while
+the kernel keeps it off the cores, and every other thread (the event loop, the engine)
+waits for it. Beside two busy processes on 2 cores (2026-11-27, bench/README.md) the idle
+thread made the first stream after start-up (the compiler's warm-up builds the tokenizer
+info in Python) take 14-19 s instead of 3-4 s, with gaps of 1.5-2.4 s between its tokens,
+and the p99 inter-token latency of streams while schemas compiled 1.4-1.6 s instead of
+0.32-0.33 s. On the same machine idle, the ordinary thread costs streams a higher p50
+inter-token latency while large schemas compile (49-52 ms against 33-37; p99 within
+noise), and compiles take 1.34 s instead of 1.85-1.93 s.
 
 A compile may also have a deadline (`run`'s `timeout_s`, the server's
 --grammar-compile-timeout). One that cannot start within it (others ahead of it), or that
 comes while `max_pending` compiles wait already, raises `CompilerBusy` (503, retry later);
 one that started and runs longer than it raises `CompileTimedOut` (400: the spec costs
 too much). A Python thread cannot be stopped, so the overrunning compile's thread is
-abandoned: it finishes on its own at idle priority (its grammar still lands in the cache)
-while a fresh thread takes the queue. At most `max_abandoned` of them run at once; past
-that the thread is kept, and the compiles behind it get `CompilerBusy` at their deadlines.
+abandoned: it finishes on its own (its grammar still lands in the cache) while a fresh
+thread takes the queue. At most `max_abandoned` of them run at once; past that the thread
+is kept, and the compiles behind it get `CompilerBusy` at their deadlines. An abandoned
+thread drops to SCHED_IDLE: a hostile schema must not keep a core, and its compile is
+native code that holds no GIL (xgrammar releases it), so only the few lines of Python
+after the compile returns can hold the other threads up, once.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-# (seconds a compile has waited, the nice value the thread then runs at as an ordinary one)
-PROMOTIONS: tuple[tuple[float, int], ...] = ((1.0, 19), (4.0, 0))
 MAX_PENDING = 64  # compiles waiting or running; one more is CompilerBusy at once
 MAX_ABANDONED = 2  # overrunning compiles left to finish on their own threads
 
@@ -58,23 +57,6 @@ def _set_idle(tid: int) -> None:
     except (OSError, AttributeError):  # not Linux: at least a lower priority
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, tid, 19)
-
-
-def _set_ordinary(tid: int, nice: int) -> None:
-    # The nice value first, so the thread is never an ordinary one at a lower value than
-    # asked. Either call fails with EPERM without the privilege: the thread stays as it was.
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-
-
-def _set_priority(tid: int, nice: int | None) -> None:
-    """None: SCHED_IDLE; else an ordinary thread at this nice value."""
-    if nice is None:
-        _set_idle(tid)
-    else:
-        _set_ordinary(tid, nice)
 
 
 def _retrieve(waiter: asyncio.Future) -> None:
@@ -118,19 +100,12 @@ def _spent(*_: Any) -> None:
 class GrammarCompiler:
     """One compile thread; `run` awaits a compile from the event loop (one loop only)."""
 
-    def __init__(
-        self,
-        promotions: Sequence[tuple[float, int]] = PROMOTIONS,
-        max_pending: int = MAX_PENDING,
-        max_abandoned: int = MAX_ABANDONED,
-    ) -> None:
-        self.promotions = promotions
+    def __init__(self, max_pending: int = MAX_PENDING, max_abandoned: int = MAX_ABANDONED) -> None:
         self.max_pending = max_pending
         self.max_abandoned = max_abandoned
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # _tid and _nice, against a thread that starts
+        self._lock = threading.Lock()  # _tid, against a thread that starts
         self._tid: int | None = None  # the current thread's native id, once it runs
-        self._nice: int | None = None  # the current thread's priority (`_set_priority`)
         self._pending = 0  # compiles in `run` (event loop state)
         self._abandoned: list[threading.Thread] = []  # (event loop state)
         self._worker: threading.Thread
@@ -145,9 +120,8 @@ class GrammarCompiler:
 
     def _work(self) -> None:
         me = threading.current_thread()
-        with self._lock:  # a fresh thread starts where the one it replaces was
+        with self._lock:
             self._tid = threading.get_native_id()
-            _set_priority(self._tid, self._nice)
         while me is self._worker:  # an abandoned thread leaves after its compile
             job = self._queue.get()
             if job is None:
@@ -166,24 +140,18 @@ class GrammarCompiler:
         start within that many seconds, `CompileTimedOut` when it runs longer than that."""
         if self._pending >= self.max_pending:
             raise CompilerBusy(f"{self._pending} grammars are waiting to compile")
-        loop = asyncio.get_running_loop()
         job = _Job(fn, args)
         waiter = asyncio.wrap_future(job.future)
         waiter.add_done_callback(_retrieve)
         self._queue.put(job)
         self._pending += 1
-        timers = [loop.call_later(after, self._promote, nice) for after, nice in self.promotions]
         try:
             if timeout_s is not None:
                 await self._wait(job, waiter, timeout_s)
             return await waiter
         finally:
             job.future.cancel()  # one not taken yet (its client left) is never run
-            for timer in timers:
-                timer.cancel()
             self._pending -= 1
-            if not self._pending and self._nice is not None:
-                self._set_nice(None)
 
     async def _wait(self, job: _Job, waiter: asyncio.Future, timeout_s: float) -> None:
         done, _ = await asyncio.wait({waiter}, timeout=timeout_s)
@@ -211,16 +179,6 @@ class GrammarCompiler:
                 _set_idle(self._tid)
             self._tid = None
             self._start_worker()
-
-    def _promote(self, nice: int) -> None:
-        if self._pending and (self._nice is None or nice < self._nice):
-            self._set_nice(nice)
-
-    def _set_nice(self, nice: int | None) -> None:
-        with self._lock:
-            self._nice = nice
-            if self._tid is not None:
-                _set_priority(self._tid, nice)
 
     @property
     def num_abandoned(self) -> int:

@@ -63,9 +63,8 @@ def gated(tiny_model_dir: Path) -> Iterator[tuple[RunningServer, Gate]]:
     gate = Gate(manager.compile)
     manager.compile = gate  # what AsyncEngine.compile_grammar runs on the compile thread
     # One abandoned compile thread at most, so that the second gated compile keeps the
-    # compile thread (the 503 case); promoted at once, so that a compile starts within
-    # the short limit beside busy processes too (an idle thread might not run at all).
-    compiler = GrammarCompiler(promotions=((0.0, 0),), max_abandoned=1)
+    # compile thread (the 503 case).
+    compiler = GrammarCompiler(max_abandoned=1)
     client = AsyncEngine(engine, log_interval_s=1.0, grammar_compiler=compiler)
     try:
         with running_server(engine, client, grammar_compile_timeout=TIMEOUT_S) as server:

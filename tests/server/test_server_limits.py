@@ -107,7 +107,7 @@ def test_slow_clients_are_closed_and_normal_requests_answered(slow_server: Runni
     open_ = set(socks)
     answered = 0
     deadline = time.monotonic() + HANG_S  # a hang guard; the server closes them sooner
-    with slow_server.http(timeout=30) as http:
+    with slow_server.http(timeout=HANG_S) as http:
         while open_ and time.monotonic() < deadline:
             for sock in list(open_):
                 if _closed_by_server(sock):

@@ -186,7 +186,7 @@ def test_past_max_loaded_models_the_least_recently_used_unloads(server: Server) 
     server.unload_quietly("gamma")
     server.complete("beta")  # alpha (pinned) + beta: the budget's two models
     # A constrained request waits for beta's grammar compiler, whose warm-up (on its
-    # compile thread, at idle priority) holds the engine core while it runs.
+    # compile thread) holds the engine core while it runs.
     server.sdk.completions.create(model="beta", prompt=random_ids(13, 8), max_tokens=2,
                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
     unloads = server.metric("pagedserve:model_unloads_total", model="beta")
