@@ -18,7 +18,7 @@ import sys
 import time
 
 # The fuzz and soak part, the one that failed by chance (issue 29, item 6): schemathesis and
-# the hostile bodies against a live server, the bounded soak, the compile thread's priority.
+# the hostile bodies against a live server, the bounded soak, the grammar compile thread.
 # The other reliability files (tests/server/test_server_{limits,lifecycle,shutdown,
 # killed_start}.py) take about 12 minutes a run beside two busy loops on 2 cores: pass them
 # after `--` for a longer check.
