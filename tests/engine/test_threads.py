@@ -8,8 +8,6 @@ prompts of different lengths, greedy, on one thread and on two.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -19,8 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    yield LLM(kv_cache_memory=128 << 20, seed=0)
+def llm() -> LLM:
+    return LLM(kv_cache_memory=128 << 20, seed=0)
 
 
 def _tokens(llm: LLM, threads: int) -> list[list[int]]:

@@ -110,9 +110,7 @@ def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     # Each model with a KV tier of its own, under a cache dir of this test's.
     tiers = {"kv_offload_bytes": 4 << 20, "cache_dir": str(tmp_path_factory.mktemp("cache"))}
     client, router = start_models(config, EngineConfig(**ENGINE, **tiers), (), loader)
-    # No start deadline for a grammar's compile: a constrained request below waits for a
-    # model's compiler warm-up, which took over the default 30 s beside two busy processes.
-    thread = _UvicornThread(build_app(client, models=router, grammar_compile_timeout=None))
+    thread = _UvicornThread(build_app(client, models=router))
     thread.start()
     try:
         yield Server(f"http://127.0.0.1:{thread.port}", router, loader)
