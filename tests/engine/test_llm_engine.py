@@ -194,20 +194,41 @@ def test_a_failed_step_aborts_only_its_requests(model_dir, monkeypatch):
     assert kv.num_free_blocks == eng.core.num_blocks
 
 
+# A near-tie: the lone run's two best log-probabilities this close. The tiny model's logits
+# are bf16 over 49,152 tokens and nearly flat (each log-probability about -10.2), so exact
+# ties occur: the int4 failure measured on a Xeon (Sapphire Rapids class) flipped a tie of 0.
+NEAR_TIE = 0.01
+
+
 @pytest.mark.skipif(not cpu_kernels_supported(), reason="quantized weights need AVX512-BF16")
 @pytest.mark.parametrize(("quantization", "dtype"), [("int8", torch.int8), ("int4", torch.uint8)])
-def test_quantized_engine_runs_on_its_weights_and_greedy_does_not_depend_on_the_batch(
+def test_quantized_engine_runs_on_its_weights_and_the_batch_moves_greedy_only_at_int4_near_ties(
     model_dir, quantization, dtype
 ):
     llm = LLM(model=str(model_dir), dtype="bfloat16", quantization=quantization, num_blocks=128)
     layers = llm.engine.core.model.layers
     assert all(lin.weight.dtype == dtype for layer in layers for lin in layer.linears())
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    alone = llm.generate([PROMPT], greedy)[0].token_ids
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    alone = llm.generate([PROMPT], greedy)[0]
     # 1 row (kernel, in registers) alone; 9 rows (kernel, dequantized tile) in a batch.
-    batch = llm.generate([PROMPT[i:] for i in range(9)], greedy)
-    assert batch[0].token_ids == alone and len(alone) == 12
+    batched = llm.generate([PROMPT[i:] for i in range(9)], greedy)[0]
+    assert len(alone.token_ids) == 12
     assert_all_blocks_free(llm)
+    if quantization == "int8":
+        # Both kernel paths multiply the same bf16-rounded weights in the same order per
+        # row: the batch changes no bit (measured: every log-probability equal).
+        assert batched.token_ids == alone.token_ids
+        assert batched.logprobs == alone.logprobs
+        return
+    # int4 up to 4 rows multiplies the blocks exactly; more rows multiply them rounded to
+    # bf16 (engine/quantization/int4.py), so the batch moves log-probabilities a little
+    # (measured: at most 2e-5 here) and greedy may part only where two tokens nearly tie.
+    for step, (a, b) in enumerate(zip(alone.logprobs, batched.logprobs, strict=True)):
+        if a.token_id != b.token_id:
+            best, second = sorted(a.top.values(), reverse=True)[:2]
+            assert best - second < NEAR_TIE, (step, a, b)
+            break
+        assert abs(a.logprob - b.logprob) < 1e-3, (step, a, b)
 
 
 @pytest.mark.skipif(not cpu_kernels_supported(), reason="cpu-paged needs AVX512-BF16")

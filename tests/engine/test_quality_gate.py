@@ -18,9 +18,9 @@ and greedy chat output that follows float32's for a stated share of its tokens (
   through the decode path). On AVX512-BF16 CPUs the activations are bf16: decode-sized
   calls run the GGUF kernels on int8-quantized activations, as llama.cpp computes (the
   whole decode step in the native decode stack), prefill-sized ones the blocks
-  dequantized to bf16: -0.06% as a prefill, +1.17% through the decode path, over the 1%
-  gate (reported as a gap), 41.1% of float32's greedy tokens before the first
-  divergence. Elsewhere activations are float32, every call takes the int8 path and a
+  dequantized to bf16: -0.06% as a prefill, +1.67% through the decode path (+1.17% before
+  the decode kernel's summation order changed, see the test), over the 1% gate (reported
+  as a gap), 41.1% of float32's greedy tokens before the first divergence. Elsewhere activations are float32, every call takes the int8 path and a
   decode step runs the float32 decode stack: +1.33% as a prefill (over the gate, a gap)
   and +0.54% through the decode path (Zen 3), 26.8%. What costs it is quantizing
   activations to int8 (llama.cpp's arithmetic), more so from bf16 values, which are
@@ -128,7 +128,7 @@ def bf16_dequantized(reference):
 
 
 @pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
-def test_gguf_blocks_perplexity_within_1_5_percent_of_the_same_weights(reference, bf16_dequantized):
+def test_gguf_blocks_perplexity_within_2_percent_of_the_same_weights(reference, bf16_dequantized):
     # The default start: the GGUF's own Q4_1/Q8_0 blocks through the GGUF kernels on
     # int8 activations (bf16 between them on AVX512-BF16 CPUs, else float32), against the
     # same weights dequantized (bf16 there, float32 here). Each bound sits just above what
@@ -142,12 +142,15 @@ def test_gguf_blocks_perplexity_within_1_5_percent_of_the_same_weights(reference
     # activation's last bit): torch's float32 norm gave +0.77%, a float64 mean of squares
     # +1.45%, the fused ops' +1.33%.
     assert abs(ppl / bf16_ppl - 1) < (0.015 if int8_prefill else 0.01), (ppl, bf16_ppl)
-    # Through the decode path: +1.17% with bf16 activations on Zen 5 (the 1% gate NOT met:
-    # a gap, see the module docstring). With float32 ones on Zen 3 it moves with summation
-    # order as the prefill does: +0.50% when the file-layout kernel summed a lone row in four
-    # accumulator sets, +1.29% in two (the same two at every tile size since 2026-11-27, so
-    # speculative verify rows equal decode rows bit for bit; test_gguf.py).
-    assert abs(decode_ppl / bf16_decode_ppl - 1) < 0.015, (decode_ppl, bf16_decode_ppl)
+    # Through the decode path, over the 1% gate on both (gaps, see the module docstring), and
+    # moving with summation order as the prefill does. The file-layout kernel sums a lone row
+    # in two accumulator sets since 2026-11-27 (was four), so speculative verify rows equal
+    # decode rows bit for bit (test_gguf.py). Four sets -> two: float32 activations (Zen 3)
+    # +0.50% -> +1.29%; bf16 ones (AVX512-BF16) +1.17% -> +1.67% (both on a Xeon, Sapphire
+    # Rapids class, 2026-11-27: a worktree of 0ee6cc1~1 gave Zen 5's +1.17% there too, so
+    # the order moved it, not the CPU). Each path's bound sits just above its figure.
+    decode_bound = 0.015 if int8_prefill else 0.018
+    assert abs(decode_ppl / bf16_decode_ppl - 1) < decode_bound, (decode_ppl, bf16_decode_ppl)
     # Greedy tokens agreed before the first divergence: 41.1% when issue 46 was filed, 42.2%
     # on Zen 3 (2026-11-26).
     assert agreement_before_divergence(reference[1], tokens) >= 0.35
