@@ -1,6 +1,7 @@
 """The decode step's projections alone: bf16, int8 and int4 weights through the skinny
-GEMM kernel, on the default model's shapes, 30 layers of distinct weights (so they
-stream from memory as in a step), in turns.
+GEMM kernel, and bf16 through torch's matmul (oneDNN; AMX where the CPU has it), on the
+default model's shapes, 30 layers of distinct weights (so they stream from memory as in a
+step), in turns.
 
     .venv/bin/python -m bench.skinny_gemm --rows 1,4,8 --threads 1,2
 
@@ -15,6 +16,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from bench.machine import machine_line
 
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": [(w.bfloat16(), None) for w in weights],
         "int8": [quantize_int8(w.bfloat16()) for w in weights],
         "int4": [quantize_int4(w) for w in weights],
+        "torch bf16": [(w.bfloat16(), None) for w in weights],
     }
 
     def one_pass(name: str, xs: dict[int, torch.Tensor]) -> float:
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             x = xs[w.shape[1]]
             if name == "int4":
                 kernels.int4_linear(x, *packed, None)
+            elif name == "torch bf16":
+                F.linear(x, packed[0])
             else:
                 kernels.skinny_linear(x, packed[0], packed[1], None)
         return time.perf_counter() - start
