@@ -99,5 +99,6 @@ def test_a_bf16_model_step_with_fused_ops_equals_the_torch_ops(tmp_path):
         ops, model.ops = model.ops, TorchOps(model.attn_backend, F.silu)
         plain = model(ids, meta.positions, kv, meta).float()
         model.ops = ops
-    scale = plain.abs().max()
-    torch.testing.assert_close(fused, plain, atol=float(scale) * 2e-2, rtol=2e-2)
+    # Bit for bit: measured equal on an AVX512-BF16 Xeon for 4 seeds (2026-11-27; the
+    # bound was 2% before). The fused ops round each output to bf16 as torch's ops do.
+    assert torch.equal(fused, plain)
