@@ -173,7 +173,7 @@ def test_the_default_models_seeded_samples_are_identical_with_speculation_on():
     (the GGUF's blocks through the native kernels, which sum a row the same way in any
     tile: tests/engine/test_gguf.py) holds that on every CPU; the tiny models' float32
     path is torch's matmul, which does not on every CPU (docs/speculative-decoding.md), so
-    this is checked here, not there."""
+    the rule is checked on this path."""
     on, off = LLM(speculative="ngram", num_speculative_tokens=5), LLM()
     for seed in range(2):
         params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=seed)
