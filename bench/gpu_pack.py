@@ -33,17 +33,19 @@ ROOTS = ("fastapi", "uvicorn", "httptools", "pydantic", "jsonschema", "xgrammar"
          "openai", "prometheus-client", "pytest-timeout")  # fmt: skip
 # The distributions of the GPU hosts' image, as /work/.library/device/KINDS.md lists them.
 _HOST_PACKAGES = """
-absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc attrs
 botorch build certifi charset-normalizer click cloudpickle cmake colorama coverage cython
 einops filelock fsspec h11 hf-xet httpcore httpx huggingface-hub hypothesis idna iniconfig
 jinja2 joblib markdown markdown-it-py markupsafe mdurl mpmath msgpack multidict networkx
 ninja numpy nvidia-ml-py packaging pandas pillow pip pluggy prometheus-client propcache
 protobuf psutil pygments pyparsing pytest pytest-timeout pytest-xdist execnet
 python-dateutil pyyaml regex requests rich safetensors scipy sentencepiece setuptools
-shellingham six sympy tiktoken tokenizers torch tqdm transformers triton typer
-typing-extensions urllib3
+shellingham six sympy tiktoken tokenizers torch tqdm transformers triton typer urllib3
 uvloop wheel wrapt yarl zipp
 """
+# typing-extensions and anyio are on the image too, but pydantic and starlette need recent
+# ones, and an older one there would stop the server importing: ours travel and shadow
+# them (both are small and pure Python).
 HOST_HAS = frozenset(_HOST_PACKAGES.split())
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "any")  # fmt: skip

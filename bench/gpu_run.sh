@@ -59,10 +59,12 @@ for stage in $STAGES; do
     echo "== $stage"
     case $stage in
     tests)
-        limit 200 python3 -m pytest --device cuda -m device tests/engine -q \
-            -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
+        # 4 workers: most of the stage is Triton compiling kernel variants, on 16 cores;
+        # a per-test timeout names a test that hangs instead of losing the stage's log.
+        limit 180 python3 -m pytest --device cuda -m device tests/engine -q -n 4 \
+            --timeout 120 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
     step)
-        standin && limit 200 python3 -m bench.gpu_step --model "$STANDIN" \
+        standin && limit 180 python3 -m bench.gpu_step --model "$STANDIN" \
             --out "$OUT/gpu-step.json" 2>&1 | tee "$OUT/gpu-step.log" ;;
     serve)
         standin && limit 200 python3 -m bench compare --model "$STANDIN" \

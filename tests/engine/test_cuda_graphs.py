@@ -149,10 +149,12 @@ def test_the_tables_written_are_the_requests_whatever_changed(data):
             assert buffers.block_tables[row, : len(s.block_ids)].tolist() == list(s.block_ids)
 
 
-def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir):
-    engine = tiny_engine(model_dir, max_num_seqs=6)
+def test_graph_size_is_the_next_captured_size_for_decode_only_steps(model_dir, device):
+    # On the test's device: a CPU engine's Triton kernels run only under the interpreter,
+    # which `--device cuda` does not turn on (the first GPU run found this test on CPU).
+    engine = tiny_engine(model_dir, device, max_num_seqs=6)
     graphs = CudaGraphRunner(engine.core.model, engine.core.runner.kv_caches, 16, 128, 6,
-                             torch.device("cpu"))  # fmt: skip
+                             device)  # fmt: skip
     assert graphs.graph_size(decodes([5])) is None  # nothing captured yet
     capture = RerunCapture()
     graphs.capture(capture)
