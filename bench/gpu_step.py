@@ -23,7 +23,8 @@ The figures, one line each after the machine's (and the GPU's), and in the JSON 
   triton-graphs over triton-eager and over sdpa-eager (above 1: graphs faster).
 - Triton paged decode attention: one layer's `TritonBackend` call for the largest batch,
   `--context` tokens each, the model's head layout and dtype, block_size 16, shuffled
-  block tables, timed with `triton.testing.do_bench` (median). Its bytes are the K and V
+  block tables, timed with `triton.testing.do_bench_cudagraph` (median; the first GPU
+  run timed it eagerly with `do_bench`). Its bytes are the K and V
   rows it must read (batch x context x KV heads x head_dim x itemsize x 2); GB/s and the
   fraction of the copy bandwidth (the goal: 0.7 or more) follow.
 
@@ -165,11 +166,13 @@ def copy_bandwidth_gbps(device: torch.device) -> float | None:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median ms of `fn`: `triton.testing.do_bench` on CUDA, a few timed calls on CPU."""
+    """Median ms of `fn`: on CUDA `triton.testing.do_bench_cudagraph` (calls replayed from
+    one CUDA graph, as a decode step's are: a kernel of tens of us timed eagerly is partly
+    the host's launch time), a few timed calls on CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, return_mode="median"))
     fn()
     times = []
     for _ in range(3):

@@ -47,8 +47,11 @@ TILE_FIELDS = ("req", "start", "len", "pos")  # a prefill tile's fields, one ten
 SPLIT_KEYS = 256  # a decode's keys per split, at least
 MAX_SPLITS = 16
 # Decode programs (requests x KV heads) that keep a GPU busy without splits. A constant,
-# so the plan stays device-free; a GPU's SM count would be the finer figure.
-ENOUGH_PROGRAMS = 256
+# so the plan stays device-free; a GPU's SM count would be the finer figure. On an H200
+# (132 SMs) 256 programs read K/V at 31% of the HBM bandwidth (batch 64 x 2,000-token
+# contexts, 4 KV heads) and 8 splits of each (2,048 programs) at 51%
+# (`python -m bench.triton_decode_sweep`, bench/README.md "The GPU run").
+ENOUGH_PROGRAMS = 1024
 
 
 @triton.jit
@@ -239,14 +242,17 @@ def attention_constexprs(
     them for GPUs)."""
     rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
+    tile = 4096 if plan.decode else 2048  # elements of a [keys, BLOCK_D] tile
     return {
         "GROUP": group,
         "TOKENS": plan.tokens,
         "ROWS": rows,
         # Keys per tile: as many as keep the float32 K and V tiles ([BLOCK_N, BLOCK_D]) and
         # the scores ([ROWS, BLOCK_N]) in registers: sm_90's ptxas -v reports no spills for
-        # the 135M, 1B, 8B and Qwen layouts (about 100-250 registers), 64 keys spilled.
-        "BLOCK_N": max(16, min(2048 // rows, 2048 // block_d)),  # tl.dot: 16 at least
+        # the 135M, 1B, 8B and Qwen layouts (about 100-250 registers), prefill tiles of 64
+        # keys spilled. A decode's 16 rows leave room for twice the keys, and its tiles
+        # read K/V 1.4x as fast on an H200 with 64 keys as with 32 (head_dim 64).
+        "BLOCK_N": max(16, min(tile // rows, tile // block_d)),  # tl.dot: 16 at least
         "PAGE": block_size,
         "BLOCK_D": block_d,
         "NUM_SPLITS": plan.num_splits,

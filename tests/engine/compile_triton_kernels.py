@@ -6,8 +6,9 @@ Triton lowers a kernel to PTX and assembles it with the ptxas its wheel brings, 
 GPU needed: this compiles `_paged_attention_kernel` for the compile-time arguments real
 steps give it (`attention_constexprs`: decode batches with and without splits, prefill
 tiles; the head layouts of the default model and of 1B/8B/Qwen shapes; bf16, fp16,
-float32), the split merge and the KV write, and prints one line per kernel with the
-registers and spilled bytes ptxas reports for the attention kernel. It must run
+float32), the split merge, the KV write and the Triton layer ops
+(engine/models/triton_ops.py), and prints one line per kernel with the registers and
+spilled bytes ptxas reports for the attention kernel and the layer ops. It must run
 without TRITON_INTERPRET (under the interpreter a kernel is not compiled at all), which is
 why tests/engine/test_triton_compile.py runs it in a child process.
 """
@@ -35,7 +36,8 @@ TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 def steps() -> dict[str, AttentionMetadata]:
-    """A decode step split over a long context, a batch of decodes, and a mixed step."""
+    """A decode step split over a long context, a batch of decodes large enough to need
+    no splits in every layout (`ENOUGH_PROGRAMS`), and a mixed step."""
 
     def meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         tables = [list(range(-(-s // 16))) for s in seq_lens]
@@ -43,7 +45,7 @@ def steps() -> dict[str, AttentionMetadata]:
 
     return {
         "decode-split": meta([1], [2000]),
-        "decode": meta([1] * 64, [2000] * 64),
+        "decode": meta([1] * 512, [500] * 512),
         "prefill": meta([1, 300], [40, 300]),
     }
 
@@ -114,7 +116,42 @@ def compile_all(arch: str) -> int:
     write |= {"slot_ptr": "*i64", "row_elems": "i32", "BLOCK": "constexpr"}
     triton.compile(ASTSource(tp._write_kv_kernel, write, {"BLOCK": 1024}), target=target)
     print(f"{arch} merge and write_kv compiled")
-    return count + 2
+    return count + 2 + compile_layer_ops(target)
+
+
+def layer_op_variants() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
+    """(name, kernel, signature, constexprs, warps) of the Triton layer ops in bf16: the
+    norm at the 1B's and the 8B's hidden sizes, silu, rotary at head_dim 64 and 128."""
+    from engine.models import triton_ops as ops
+
+    def signature(kernel, pointers: tuple[str, ...], floats: tuple[str, ...] = ()) -> dict:
+        types = {}
+        for name in kernel.arg_names:
+            upper = name.isupper()
+            types[name] = ("constexpr" if upper else "*bf16" if name in pointers
+                           else "fp32" if name in floats else "i32")  # fmt: skip
+        return types
+
+    norm = signature(ops._add_rms_norm_kernel, ("delta_ptr", "res_ptr", "w_ptr", "out_ptr",
+                                                "res_out_ptr"), ("eps",))  # fmt: skip
+    silu = signature(ops._silu_mul_kernel, ("gu_ptr", "out_ptr"))
+    rope = signature(ops._rope_kernel, ("qkv_ptr", "cos_ptr", "sin_ptr", "out_ptr"))
+    return [
+        *((f"add_rms_norm {n}", ops._add_rms_norm_kernel, norm,
+           {"HAS_RES": True, "BLOCK": n}, ops.norm_warps(n)) for n in (2048, 4096)),
+        ("silu_mul", ops._silu_mul_kernel, silu, {"BLOCK": ops.SILU_BLOCK}, 4),
+        *((f"rope {d}", ops._rope_kernel, rope, {"HALF": d // 2}, 1) for d in (64, 128)),
+    ]  # fmt: skip
+
+
+def compile_layer_ops(target: GPUTarget) -> int:
+    for name, kernel, signature, consts, warps in layer_op_variants():
+        compiled = triton.compile(ASTSource(kernel, signature, consts), target=target,
+                                  options={"num_warps": warps})  # fmt: skip
+        regs, spills = registers_and_spills(compiled.asm["ptx"], target.arch)
+        print(f"sm_{target.arch} layer op {name}: {warps} warps, {regs} registers, "
+              f"{spills} bytes spilled")  # fmt: skip
+    return len(layer_op_variants())
 
 
 def main(archs: list[str]) -> int:

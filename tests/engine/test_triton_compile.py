@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton comes with torch's CUDA build and xgrammar")
 
-from tests.engine.compile_triton_kernels import variants  # noqa: E402 - after the skip
+from tests.engine.compile_triton_kernels import layer_op_variants, variants  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,8 +30,10 @@ def test_the_kernels_compile_for_sm_90(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     planned = len(variants())  # every attention variant, plus the merge and the KV write
-    assert lines[-1] == f"compiled {planned + 2} kernels"
+    ops = len(layer_op_variants())  # and the Triton layer ops
+    assert lines[-1] == f"compiled {planned + 2 + ops} kernels"
     assert any("decode-split" in line and "'NUM_SPLITS': 8" in line for line in lines)
+    assert any(" decode:" in line and "'NUM_SPLITS': 1" in line for line in lines)
     assert any("32/8x128 prefill" in line and "'BLOCK_D': 128" in line for line in lines)
     assert any("14/2x64 prefill" in line and "'ROWS': 128" in line for line in lines)  # GQA 7
     attention = [line for line in lines if " attention " in line]
@@ -39,3 +41,6 @@ def test_the_kernels_compile_for_sm_90(tmp_path):
     # The tile sizes keep every variant in registers (spills would be local-memory traffic
     # on every key tile).
     assert all(line.endswith(" 0 bytes spilled") for line in attention), "\n".join(attention)
+    layer_ops = [line for line in lines if " layer op " in line]
+    assert len(layer_ops) == ops
+    assert all(line.endswith(" 0 bytes spilled") for line in layer_ops), "\n".join(layer_ops)
