@@ -40,9 +40,11 @@ from engine.device import gpu_has_bf16, is_cpu, is_cuda
 # reference everywhere.
 FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
-# The layers' small ops (norms, rotary and the KV write, silu): torch's, or one of the two
-# native builds of `engine.kernels` (bf16 on AVX512-BF16; float32 on a GGUF's blocks).
+# The layers' small ops (norms, rotary and the KV write, silu): torch's, one of the two
+# native builds of `engine.kernels` (bf16 on AVX512-BF16; float32 on a GGUF's blocks), or
+# Triton kernels on CUDA (bf16 / fp16: engine/models/triton_ops.py).
 TORCH_OPS = "torch"
+TRITON_OPS = "triton"
 AVX512_OPS = "AVX-512 BF16"
 AVX2_OPS = "AVX2"
 
@@ -77,7 +79,7 @@ class ExecutionPlan:
     dtype: torch.dtype  # the activations' (and unquantized weights')
     quantization: Quantization
     attention: str  # the attention backend's registry name, "auto" resolved
-    layer_ops: str  # TORCH_OPS, AVX512_OPS or AVX2_OPS
+    layer_ops: str  # TORCH_OPS, AVX512_OPS, AVX2_OPS or TRITON_OPS
     kernels_switch: str  # $PAGEDSERVE_CPU_KERNELS as read (auto, avx2, off)
     # Whether decode-only steps may run as one native call (`engine.decode_stack`): native
     # layer ops and the cpu-paged backend. Its row limit is known once the weights are packed.
@@ -88,7 +90,7 @@ class ExecutionPlan:
 
     def layer_kernels(self) -> ModuleType | None:
         """The native module whose layer ops serve the model, or None (torch's ops)."""
-        if self.layer_ops == TORCH_OPS:
+        if self.layer_ops in (TORCH_OPS, TRITON_OPS):
             return None
         return kernels.cpu_kernels() if self.layer_ops == AVX512_OPS else kernels.ggml_kernels()
 
@@ -98,7 +100,9 @@ class ExecutionPlan:
     def describe(self) -> str:
         """The start-up line's account of how the model computes here."""
         parts = [f"attention {self.attention}"]
-        if self.layer_ops != TORCH_OPS:
+        if self.layer_ops == TRITON_OPS:
+            parts.append("Triton layer ops")
+        elif self.layer_ops != TORCH_OPS:
             gemm = "skinny GEMM, " if self.dtype == torch.bfloat16 else ""
             stack = ", decode stack" if self.decode_stack_rows else ""
             switch = (
@@ -241,12 +245,17 @@ def _layer_ops(
     dtype: torch.dtype, device: torch.device, quantization: str | None, shape: ModelShape,
     tp: int, kv_int8: bool,
 ) -> str:  # fmt: skip
-    """Which build's fused ops serve the layers: bf16 on AVX512-BF16, float32 where a GGUF's
-    blocks serve the projections; torch's where neither applies, under tensor parallelism
-    (one process's whole layers only), for an activation other than silu, and for bf16 over
-    an int8 KV cache (the bf16 kernels write bf16 rows only; the float32 ones write int8)."""
+    """Which build's fused ops serve the layers: on CUDA Triton's for bf16 / fp16 (float32
+    keeps torch's, transformers' arithmetic) under the Triton attention backend's KV write;
+    on CPU bf16 on AVX512-BF16, float32 where a GGUF's blocks serve the projections; torch's
+    where none applies, under tensor parallelism (one process's whole layers only), for an
+    activation other than silu, and for bf16 over an int8 KV cache (the bf16 kernels write
+    bf16 rows only; the float32 ones write int8)."""
     if not shape.silu or shape.head_dim % 2 or tp > 1:
         return TORCH_OPS
+    if is_cuda(device):
+        fits = dtype != torch.float32 and triton_applies(device, kv_int8)
+        return TRITON_OPS if fits else TORCH_OPS
     module = kernels.layer_kernels(dtype, device, quantization)
     if module is None or (kv_int8 and dtype != torch.float32):
         return TORCH_OPS

@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.distributed import TensorParallel
-from engine.execution_plan import ExecutionPlan, manual_plan
+from engine.execution_plan import TRITON_OPS, ExecutionPlan, manual_plan
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.models.layer_ops import TorchOps, activation
@@ -68,8 +68,10 @@ class DecoderForCausalLM(nn.Module):
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
         # One backend object for all layers: the runner prepares it once per step.
         self.attn_backend = get_attention_backend(plan.attention, arch.num_heads, arch.num_kv_heads)
-        # The layers' small ops: a native build where the plan says so, else torch's.
-        self.ops: Any = plan.layer_kernels() or TorchOps(self.attn_backend, activation(arch.act))
+        # The layers' small ops: a native build or Triton's where the plan says so, else torch's.
+        self.ops: Any = plan.layer_kernels() or _torch_or_triton_ops(plan)(
+            self.attn_backend, activation(arch.act)
+        )
         kw = {"dtype": self.dtype, "device": self.device}
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, **kw)
         self.layers = nn.ModuleList(
@@ -177,6 +179,14 @@ class DecoderForCausalLM(nn.Module):
         if qtype != int(head.type) and not self.arch.tie_word_embeddings:
             head.release()
         return [blocks], [qtype]
+
+
+def _torch_or_triton_ops(plan: ExecutionPlan) -> type[TorchOps]:
+    if plan.layer_ops != TRITON_OPS:
+        return TorchOps
+    from engine.models.triton_ops import TritonOps  # CUDA only: triton loads here, not on CPU
+
+    return TritonOps
 
 
 def _shard(arch: Architecture, tp: TensorParallel) -> Architecture:
