@@ -48,9 +48,10 @@ SPLIT_KEYS = 256  # a decode's keys per split, at least
 MAX_SPLITS = 16
 # Decode programs (requests x KV heads) that keep a GPU busy without splits. A constant,
 # so the plan stays device-free; a GPU's SM count would be the finer figure. On an H200
-# (132 SMs) 256 programs read K/V at 31% of the HBM bandwidth (batch 64 x 2,000-token
-# contexts, 4 KV heads) and 8 splits of each (2,048 programs) at 51%
-# (`python -m bench.triton_decode_sweep`, bench/README.md "The GPU run").
+# (132 SMs), batch 64 x 2,000-token contexts with 4 KV heads, 64-key tiles, each setting
+# timed from a CUDA graph: 256 programs (no split) read K/V at 48% of the HBM copy
+# bandwidth, 2-8 splits at 60-64%, 16 at 56% (`python -m bench.triton_decode_sweep`,
+# bench/README.md "The GPU run").
 ENOUGH_PROGRAMS = 1024
 
 
@@ -250,8 +251,9 @@ def attention_constexprs(
         # Keys per tile: as many as keep the float32 K and V tiles ([BLOCK_N, BLOCK_D]) and
         # the scores ([ROWS, BLOCK_N]) in registers: sm_90's ptxas -v reports no spills for
         # the 135M, 1B, 8B and Qwen layouts (about 100-250 registers), prefill tiles of 64
-        # keys spilled. A decode's 16 rows leave room for twice the keys, and its tiles
-        # read K/V 1.4x as fast on an H200 with 64 keys as with 32 (head_dim 64).
+        # keys spilled. A decode's 16 rows leave room for twice the keys: on an H200 its
+        # tiles read K/V 1.1-1.4x as fast with 64 keys as with 32 at every split count
+        # (head_dim 64; triton 3.6 spills 8-12 bytes in two unsplit variants, 3.9 none).
         "BLOCK_N": max(16, min(tile // rows, tile // block_d)),  # tl.dot: 16 at least
         "PAGE": block_size,
         "BLOCK_D": block_d,

@@ -3,12 +3,12 @@
 Torch's ops (engine/models/layer_ops.py) spend 6-10 small kernels on each of a layer's
 norms, its rotary and its silu: on an H200 a batch-1 decode step of the 1B stand-in ran
 several hundred such kernels of 1-2 us, about as much device time as its matmuls
-(`python -m bench.gpu_step_profile`, bench/README.md "The GPU run"). These do the same arithmetic in
-one launch per op, rounding where torch's bf16 ops round (after the residual add, the
-normalised row, silu, each rotary product), so they agree with torch's to an ulp
-(tests/engine/test_triton_ops.py, on an H200 too). The KV write stays the attention
-backend's (the Triton backend's own kernel). A float32 model keeps torch's ops: its tokens must be
-transformers' (`TorchOps`).
+(`python -m bench.gpu_step_profile`, bench/README.md "The GPU run"). These do the same
+arithmetic in one launch per op, rounding where torch's bf16 ops round (after the
+residual add, the normalised row, silu, each rotary product), so they agree with torch's
+to an ulp (tests/engine/test_triton_ops.py, on an H200 too). The KV write stays the
+attention backend's (the Triton backend's own kernel). A float32 model keeps torch's
+ops: its tokens must be transformers' (`TorchOps`).
 """
 
 from __future__ import annotations
