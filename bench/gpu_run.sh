@@ -6,9 +6,10 @@
 #
 #     OUT=/some/dir sh bench/gpu_run.sh          # default OUT: bench/results/gpu-<date>
 #
-# Stages (STAGES="tests step serve", the default, or any of them), each under a timeout of
-# at most 200 s and of what is left of BUDGET (570 s: one 10-minute device call), so one
-# that hangs cannot eat the others' time; together they write at most 8 files into OUT:
+# Stages (STAGES="tests step sweep profile serve", the default, or any of them), each under
+# a timeout of at most 200 s and of what is left of BUDGET (570 s: one 10-minute device
+# call), so one that hangs cannot eat the others' time; together they write 8 files (the
+# device tool's most) into OUT:
 #   tests  pytest --device cuda -m device: the Triton kernels compiled for the GPU against
 #          the reference, CUDA graph replays against eager steps, greedy tokens against
 #          transformers' on the same GPU (float32), sdpa and triton   -> gpu-tests.log
@@ -16,13 +17,17 @@
 #          step at batch 1 and 64: sdpa eager, triton eager, triton + CUDA graphs, against
 #          the weight-bytes / HBM-bandwidth floor; Triton decode attention's GB/s at batch
 #          64 x 2,000 tokens                                          -> gpu-step.json/.log
+#   sweep  the decode attention under other splits, warps and tile sizes (bench/
+#          triton_decode_sweep.py), each timed from a CUDA graph      -> gpu-sweep.log
+#   profile where a graph-replayed batch-1 step's time goes (bench/gpu_step_profile.py)
+#                                                                     -> gpu-profile.txt
 #   serve  the stand-in behind pagedserve (triton, graphs) and `transformers serve
 #          --continuous-batching` (bf16, cuda), shared-prefix workload at c=64
 #                                                                     -> gpu-serve.tgz/.log
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-$(date +%F)}
-STAGES=${STAGES:-tests step serve}
+STAGES=${STAGES:-tests step sweep profile serve}
 STANDIN=${STANDIN:-/tmp/standin-1b}
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT"
@@ -66,6 +71,12 @@ for stage in $STAGES; do
     step)
         standin && limit 180 python3 -m bench.gpu_step --model "$STANDIN" \
             --out "$OUT/gpu-step.json" 2>&1 | tee "$OUT/gpu-step.log" ;;
+    sweep)
+        limit 90 python3 -m bench.triton_decode_sweep --batch 64,1 2>&1 | tee "$OUT/gpu-sweep.log" ;;
+    profile)
+        standin && limit 90 python3 -m bench.gpu_step_profile --model "$STANDIN" --batch 1 \
+            >"$OUT/gpu-profile.txt" 2>&1
+        head -3 "$OUT/gpu-profile.txt" ;;
     serve)
         standin && limit 200 python3 -m bench compare --model "$STANDIN" \
             --servers pagedserve,transformers-serve --dtype bfloat16 \
