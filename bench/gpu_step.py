@@ -182,23 +182,34 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(times) * 1e3
 
 
-def attention_figures(
-    shape: ModelShape, batch: int, context: int, device: torch.device, hbm_gbps: float | None
-) -> dict:
-    """The Triton backend's decode attention for one layer: `batch` requests of `context`
-    tokens in shuffled blocks; ms, GB/s of K/V read and its fraction of `hbm_gbps`."""
+def decode_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device):  # fmt: skip
+    """q, the K/V caches and the metadata of one decode-only step: `batch` requests of
+    `context` tokens each in shuffled blocks."""
     from engine.attention.metadata import AttentionMetadata
-    from engine.attention.triton_paged import TritonBackend
 
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     tables = [order[r * per_seq : (r + 1) * per_seq] for r in range(batch)]
-    kv_shape = (num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(kv_shape, dtype=shape.dtype, device=device)
-    v_cache = torch.randn(kv_shape, dtype=shape.dtype, device=device)
-    q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=shape.dtype, device=device)
+    kv_shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(kv_shape, dtype=dtype, device=device)
+    v_cache = torch.randn(kv_shape, dtype=dtype, device=device)
+    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
     meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK_SIZE, device)
+    return q, k_cache, v_cache, meta
+
+
+def attention_figures(
+    shape: ModelShape, batch: int, context: int, device: torch.device, hbm_gbps: float | None
+) -> dict:
+    """The Triton backend's decode attention for one layer: `batch` requests of `context`
+    tokens in shuffled blocks; ms, GB/s of K/V read and its fraction of `hbm_gbps`."""
+    from engine.attention.triton_paged import TritonBackend
+
+    q, k_cache, v_cache, meta = decode_inputs(batch, context, shape.num_heads,
+                                              shape.num_kv_heads, shape.head_dim,
+                                              shape.dtype, device)  # fmt: skip
     backend = TritonBackend(shape.num_heads, shape.num_kv_heads)
     backend.prepare(meta)
     scale = shape.head_dim**-0.5

@@ -22,25 +22,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_step import BLOCK_SIZE, copy_bandwidth_gbps, gpu_line, time_ms
+from bench.gpu_step import BLOCK_SIZE, copy_bandwidth_gbps, decode_inputs, gpu_line, time_ms
 from bench.machine import machine_line
-
-
-def decode_setup(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
-    """q, the caches and the metadata of one decode-only step in shuffled blocks."""
-    from engine.attention.metadata import AttentionMetadata
-
-    per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * per_seq + 1
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    tables = [order[r * per_seq : (r + 1) * per_seq] for r in range(batch)]
-    kv_shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(kv_shape, dtype=dtype, device=device)
-    v_cache = torch.randn(kv_shape, dtype=dtype, device=device)
-    q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
-    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK_SIZE, device)
-    return q, k_cache, v_cache, meta
 
 
 def settings(default_splits: int) -> list[dict]:
@@ -53,8 +36,8 @@ def sweep(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
           dtype: torch.dtype, device: torch.device, hbm: float) -> list[dict]:  # fmt: skip
     from engine.attention import triton_paged as tp
 
-    q, k_cache, v_cache, meta = decode_setup(batch, context, heads, kv_heads, head_dim,
-                                             dtype, device)  # fmt: skip
+    q, k_cache, v_cache, meta = decode_inputs(batch, context, heads, kv_heads, head_dim,
+                                              dtype, device)  # fmt: skip
     backend = tp.TritonBackend(heads, kv_heads)
     backend.prepare(meta)
     own = backend._plan
