@@ -246,7 +246,7 @@ def _layer_ops(
     tp: int, kv_int8: bool,
 ) -> str:  # fmt: skip
     """Which build's fused ops serve the layers: on CUDA Triton's for bf16 / fp16 (float32
-    keeps torch's, transformers' arithmetic) under the Triton attention backend's KV write;
+    keeps torch's, transformers' arithmetic; the KV write stays the attention backend's);
     on CPU bf16 on AVX512-BF16, float32 where a GGUF's blocks serve the projections; torch's
     where none applies, under tensor parallelism (one process's whole layers only), for an
     activation other than silu, and for bf16 over an int8 KV cache (the bf16 kernels write

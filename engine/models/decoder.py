@@ -182,6 +182,7 @@ class DecoderForCausalLM(nn.Module):
 
 
 def _torch_or_triton_ops(plan: ExecutionPlan) -> type[TorchOps]:
+    """The op set in Python where no native build serves: Triton's where the plan chose it."""
     if plan.layer_ops != TRITON_OPS:
         return TorchOps
     from engine.models.triton_ops import TritonOps  # CUDA only: triton loads here, not on CPU
