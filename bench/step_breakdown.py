@@ -66,8 +66,10 @@ def breakdown(model: str, batch: int, context: int) -> str:
         x = torch.randn(batch, linear.method.in_features)
         weights = linear.method.ggml
         parts[name] = median_ms(lambda x=x, w=weights: kernels.ggml_linear(x, *w)) * len(layers)
-    q = torch.randn(batch, arch.num_heads, arch.head_dim)
     k_cache, v_cache = kv_caches[0]
+    # q comes in the caches' dtype (bf16 where the CPU has AVX512-BF16), float32 beside int8.
+    q_dtype = k_cache.dtype if k_cache.is_floating_point() else torch.float32
+    q = torch.randn(batch, arch.num_heads, arch.head_dim, dtype=q_dtype)
     parts["attention"] = median_ms(lambda: kernels.paged_decode_attention(
         q, k_cache, v_cache, tables, seq_lens, arch.head_dim**-0.5)) * len(layers)  # fmt: skip
     parts["rest"] = step - sum(parts.values())

@@ -2,10 +2,11 @@
 ggml blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
 `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
 `ggml_linear` (`engine/kernels/csrc/ggml_quants.cpp`) multiplies them on int8-quantized
-activations, as llama.cpp computes. Q4_0, Q5_0, Q8_0, Q4_K and Q6_K are regrouped 8 rows at
-a time at load, a layout whose kernel (512 bits wide on AVX-512) also serves prefill; bf16
-calls of more than `GGML_DOT_MAX_ROWS` rows on other formats dequantize the blocks to bf16
-for the call and take torch's GEMM. A projection with any part in another format is
+activations, as llama.cpp computes. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K are
+regrouped 8 rows at a time at load (a layout whose kernel is 512 bits wide on AVX-512); for
+Q4_0, Q5_0, Q8_0, Q4_K and Q6_K that kernel also serves prefill, while bf16 calls of more
+than `GGML_DOT_MAX_ROWS` rows on other formats dequantize the blocks to bf16 for the call
+and take torch's GEMM. A projection with any part in another format is
 dequantized whole, and served as float weights are (`DenseMethod`).
 """
 
@@ -33,6 +34,12 @@ GGUF = "gguf"  # keep a GGUF's own blocks
 # --prefill`, Zen 5).
 GGML_DOT_MAX_ROWS = 32
 ANY_ROWS = sys.maxsize
+# The formats whose regrouped kernel takes bf16 calls of any size. Q4_1 and Q5_1 (the
+# default model's Q4_1 file) are regrouped for decode and verify rows, but their prefill
+# stays on dequantized bf16 weights: there int8 activations cost the default model ~1.3-1.8%
+# perplexity against -0.06% (tests/engine/test_quality_gate.py), and on an AMX Xeon the
+# bf16 GEMM was 2.8x faster at 512 rows (`bench.ggml_kernels --prefill`, 2026-11-28).
+INT8_AT_ANY_SIZE = frozenset({"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
 
 
 @register(GGUF)
@@ -74,14 +81,14 @@ class GGUFMethod(DenseMethod):
 
     def _keep_blocks(self) -> None:
         parts = [self.blocks[row] for row in sorted(self.blocks)]
-        # Each part in the layout its kernel reads fastest (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K:
-        # regrouped by 8 rows).
+        # Each part in the layout its kernel reads fastest (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+        # Q4_K, Q6_K: regrouped by 8 rows).
         packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
         regrouped = [qtype != int(p.type) for p, (_, qtype) in zip(parts, packed, strict=True)]
         for part, copied in zip(parts, regrouped, strict=True):
             if copied:  # a repacked copy now serves it
                 part.release()
-        if all(regrouped):
+        if all(regrouped) and all(p.type.name in INT8_AT_ANY_SIZE for p in parts):
             self.max_rows = ANY_ROWS
         self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
         self.parts = [(p.type.name, p.shape[0]) for p in parts]

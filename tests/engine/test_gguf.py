@@ -95,14 +95,15 @@ def test_a_rows_product_is_the_same_bits_in_any_tile(qtype, regroup):
 
 
 # The regrouped layouts' bytes per 8-row group and block column (Q4_Kx8 unpacks the scales).
-REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q5_0: (736, 22 * 8), T.Q8_0: (736, 34 * 8),
-             T.Q4_K: (512, 148 * 8), T.Q6_K: (512, 210 * 8)}  # fmt: skip
+REGROUPED = {T.Q4_0: (736, 18 * 8), T.Q4_1: (736, 20 * 8), T.Q5_0: (736, 22 * 8),
+             T.Q5_1: (736, 24 * 8), T.Q8_0: (736, 34 * 8), T.Q4_K: (512, 148 * 8),
+             T.Q6_K: (512, 210 * 8)}  # fmt: skip
 
 
 @pytest.mark.parametrize("source", list(REGROUPED), ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dtype):
-    # ggml_repack regroups Q4_0, Q5_0, Q8_0, Q4_K and Q6_K 8 rows at a time for the kernel: the
+    # ggml_repack regroups Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K 8 rows at a time: the
     # same weights (bit for bit), and products that differ from the plain layout's only in
     # float summation order.
     cols, column_bytes = REGROUPED[source]
@@ -130,7 +131,9 @@ def test_regrouped_by_8_rows_multiplies_and_dequantizes_as_its_blocks(source, dt
 # its int8 scales (Q6_K) or values (Q8_0), and its f16 factors, in the file's block layout.
 EXTREME_LAYOUT = {  # type: (block bytes, all-ones ranges, int8 ranges, f16 offsets)
     T.Q4_0: (18, [(2, 18)], [], [0]),
+    T.Q4_1: (20, [(4, 20)], [], [0, 2]),
     T.Q5_0: (22, [(2, 22)], [], [0]),
+    T.Q5_1: (24, [(4, 24)], [], [0, 2]),
     T.Q8_0: (34, [], [(2, 34)], [0]),
     T.Q4_K: (144, [(4, 144)], [], [0, 2]),
     T.Q6_K: (210, [(0, 192)], [(192, 208)], [208]),
@@ -181,11 +184,21 @@ def _gguf_linear(parts: list[tuple[T, int]], seed: int) -> tuple[Linear, torch.T
     return linear, torch.cat(dense)
 
 
-def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch():
-    # More rows than GGML_DOT_MAX_ROWS with bf16 activations, on blocks in their file's
-    # layout: dequantized to bf16 for the call and torch's GEMM, which is exactly the
-    # bf16-dequantized model's product.
-    linear, dense = _gguf_linear([(T.Q5_K, 16), (T.Q5_0, 8)], seed=5)
+@pytest.mark.parametrize(
+    "parts",
+    [[(T.Q5_K, 16), (T.Q5_0, 8)], [(T.Q4_1, 16), (T.Q5_1, 8)]],
+    ids=["file layout", "Q4_1 and Q5_1 regrouped"],
+)
+def test_prefill_sized_calls_multiply_the_bf16_weights_with_torch(parts):
+    # More rows than GGML_DOT_MAX_ROWS with bf16 activations, on blocks of which some stay
+    # in their file's layout, or Q4_1/Q5_1 regrouped (the default model's file: decode and
+    # verify rows take their kernel, prefill keeps the bf16 product): dequantized to bf16
+    # for the call and torch's GEMM, which is exactly the bf16-dequantized model's product.
+    linear, dense = _gguf_linear(parts, seed=5)
+    regrouped = [
+        qtype != int(t) for qtype, (t, _) in zip(linear.method.ggml[1], parts, strict=True)
+    ]
+    assert regrouped == ([True, True] if parts[0][0] == T.Q4_1 else [False, True])
     assert linear.kernel_max_rows == GGML_DOT_MAX_ROWS
     x = torch.randn(GGML_DOT_MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.bfloat16)

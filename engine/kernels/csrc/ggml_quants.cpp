@@ -2,7 +2,8 @@
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
-// Q5_0, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8 below):
+// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8
+// below):
 //
 // * `ggml_dequantize`: the float32 weights, computed exactly as ggml and the `gguf`
 //   package define them (same products in the same order; this file is compiled with
@@ -63,6 +64,12 @@ constexpr int64_t Q8_0x8 = 1000 + Q8_0;
 // x_at(j)..x_at(j) + 3 of each row): bit j of byte k is the fifth bit of value x_at(j) + k,
 // so one shift and one mask put it at 0x10 beside the nibble. As large as the file's.
 constexpr int64_t Q5_0x8 = 1000 + Q5_0;
+// Q4_1 and Q5_1 (Q4_1x8, Q5_1x8) as Q4_0x8 and Q5_0x8 with their 8 rows' f16 mins (16 bytes)
+// after the scales: the quant bytes then start at 32 and Q5_1x8's fifth bits at 160. As large
+// as the file's. (SmolLM2's default Q4_1 file: in the file's layout a row's dot took ~15
+// vector ops a block, 4x Q4_0x8's time at one row and 6x at 8, bench.ggml_kernels.)
+constexpr int64_t Q4_1x8 = 1000 + Q4_1;
+constexpr int64_t Q5_1x8 = 1000 + Q5_1;
 // Where value v (0-31) of a Q5_0 block sits in a Q5_0x8 column: in u[j], byte k.
 struct FifthBitPlace {
   int j, k;
@@ -94,6 +101,8 @@ Format format_of(int64_t type) {
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
     case Q8_0x8: return {32, 34 * kGroupRows};
     case Q5_0x8: return {32, 22 * kGroupRows};
+    case Q4_1x8: return {32, 20 * kGroupRows};
+    case Q5_1x8: return {32, 24 * kGroupRows};
     case Q4_Kx8: return {256, kQ4KColumn};
     case Q6_Kx8: return {256, kQ6KColumn};
   }
@@ -101,8 +110,8 @@ Format format_of(int64_t type) {
 }
 
 inline bool grouped(int64_t type) {
-  return type == Q4_0x8 || type == Q5_0x8 || type == Q8_0x8 || type == Q4_Kx8 ||
-         type == Q6_Kx8;
+  return type == Q4_0x8 || type == Q4_1x8 || type == Q5_0x8 || type == Q5_1x8 ||
+         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8;
 }
 
 // Rows of weights that `w`'s first dimension holds (groups of 8 once repacked).
@@ -243,30 +252,29 @@ void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t
     }
     return;
   }
-  if (type == Q5_0x8) {
-    uint8_t block[22];
+  if (type == Q4_0x8 || type == Q4_1x8 || type == Q5_0x8 || type == Q5_1x8) {
+    // The file's block back from the column: d, m (Q4_1, Q5_1), the fifth bits qh (Q5_0,
+    // Q5_1), then the 16 quant bytes (see Q4_0x8, Q5_0x8 and Q4_1x8 for where each sits).
+    const bool min = type == Q4_1x8 || type == Q5_1x8, five = type == Q5_0x8 || type == Q5_1x8;
+    const int64_t file_type = type - 1000, bytes = format_of(file_type).block_bytes;
+    const int64_t quants = min ? 32 : 16, qh_at = min ? 4 : 2, qs_at = qh_at + (five ? 4 : 0);
+    uint8_t block[24];
     for (int64_t b = 0; b < cols / QK; ++b) {
-      const uint8_t* column = group + b * 22 * kGroupRows;
-      const uint8_t* fifth = column + 144 + 4 * r;
-      uint32_t qh = 0;
-      for (int v = 0; v < 32; ++v) {
-        const FifthBitPlace p = fifth_bit_place(v);
-        qh |= (uint32_t)((fifth[p.k] >> p.j) & 1) << v;
+      const uint8_t* column = group + b * bytes * kGroupRows;
+      std::memcpy(block, column + 2 * r, 2);
+      if (min) std::memcpy(block + 2, column + 16 + 2 * r, 2);
+      if (five) {
+        const uint8_t* fifth = column + quants + 128 + 4 * r;
+        uint32_t qh = 0;
+        for (int v = 0; v < 32; ++v) {
+          const FifthBitPlace p = fifth_bit_place(v);
+          qh |= (uint32_t)((fifth[p.k] >> p.j) & 1) << v;
+        }
+        std::memcpy(block + qh_at, &qh, 4);
       }
-      std::memcpy(block, column + 2 * r, 2);
-      std::memcpy(block + 2, &qh, 4);
-      for (int j = 0; j < 4; ++j) std::memcpy(block + 6 + 4 * j, column + 16 + 32 * j + 4 * r, 4);
-      dequantize_block(Q5_0, block, y + b * QK);
-    }
-    return;
-  }
-  if (type == Q4_0x8) {
-    uint8_t block[18];
-    for (int64_t b = 0; b < cols / QK; ++b) {
-      const uint8_t* column = group + b * 18 * kGroupRows;
-      std::memcpy(block, column + 2 * r, 2);
-      for (int j = 0; j < 4; ++j) std::memcpy(block + 2 + 4 * j, column + 16 + 32 * j + 4 * r, 4);
-      dequantize_block(Q4_0, block, y + b * QK);
+      for (int j = 0; j < 4; ++j)
+        std::memcpy(block + qs_at + 4 * j, column + quants + 32 * j + 4 * r, 4);
+      dequantize_block(file_type, block, y + b * QK);
     }
     return;
   }
@@ -659,14 +667,29 @@ inline void store8(at::BFloat16* y, __m256 v) {
   for (int i = 0; i < 8; ++i) y[i] = at::BFloat16(t[i]);
 }
 
-// Repacked Q4_0, Q5_0 or Q8_0 (see Q4_0x8, Q5_0x8, Q8_0x8): MT activation rows against
-// weight rows [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones activation
-// bytes `x_at<L>(j)` multiply: Q8_0's stored bytes as they are; Q4_0's low nibbles (values
-// 4j..4j+3) for j < 4, high nibbles (16 + 4j..) after; Q5_0's the same with their fifth bits.
-enum class Legacy { Q4, Q5, Q8 };
+// Repacked Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (see Q4_0x8, Q4_1x8, Q5_0x8, Q8_0x8): MT activation
+// rows against weight rows [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones
+// activation bytes `x_at<L>(j)` multiply: Q8_0's stored bytes as they are; Q4_0's low
+// nibbles (values 4j..4j+3) for j < 4, high nibbles (16 + 4j..) after; Q5_0's the same with
+// their fifth bits; Q4_1 and Q5_1 as Q4_0 and Q5_0, and each row's min times the activation
+// block's sum added after the block's product.
+enum class Legacy { Q4, Q5, Q8, Q4_1, Q5_1 };
+template <Legacy L>
+constexpr bool has_min() {  // Q4_1, Q5_1: q * d + m, the mins at 16 of a column
+  return L == Legacy::Q4_1 || L == Legacy::Q5_1;
+}
+template <Legacy L>
+constexpr bool five_bits() {
+  return L == Legacy::Q5 || L == Legacy::Q5_1;
+}
 template <Legacy L>
 constexpr int64_t column_bytes() {  // per block column of a group
-  return (L == Legacy::Q8 ? 34 : L == Legacy::Q5 ? 22 : 18) * kGroupRows;
+  return (L == Legacy::Q8 ? 34 : 18 + (has_min<L>() ? 2 : 0) + (five_bits<L>() ? 4 : 0)) *
+         kGroupRows;
+}
+template <Legacy L>
+constexpr int64_t quants_at() {  // where a column's quant bytes start
+  return has_min<L>() ? 32 : 16;
 }
 template <Legacy L>
 constexpr int x_at(int j) {
@@ -674,7 +697,7 @@ constexpr int x_at(int j) {
 }
 template <Legacy L>
 constexpr int32_t x_offset() {  // the stored values' offset: Q4_0's 8, Q5_0's 16, Q8_0's 128
-  return L == Legacy::Q8 ? 128 : L == Legacy::Q5 ? 16 : 8;
+  return L == Legacy::Q8 ? 128 : L == Legacy::Q5 ? 16 : L == Legacy::Q4 ? 8 : 0;
 }
 // Q5_0x8's fifth bits for u[j], at 0x10 of each byte (see Q5_0x8): bit j moved to bit 4.
 // 16-bit shifts by at most 4 keep bit 4 of each byte within its own byte.
@@ -707,11 +730,13 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
       for (int64_t k = 0; k < column; k += 64)
         _mm_prefetch((const char*)(c + 4 * column + k), _MM_HINT_T0);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
+      const __m256 mins = has_min<L>() ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)))
+                                       : _mm256_setzero_ps();
       constexpr bool signed_q = Q8 && kSignedQ8;
       __m256i u[8];  // signed_q: the values' magnitudes, with their signs in q[]
       __m256i q[signed_q ? 8 : 1];
       for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
-        const __m256i v = load32(c + 16 + 32 * j);
+        const __m256i v = load32(c + quants_at<L>() + 32 * j);
         if constexpr (signed_q) {
           q[j] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
           u[j] = _mm256_abs_epi8(q[j]);
@@ -722,8 +747,8 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
           u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
       }
-      if constexpr (L == Legacy::Q5) {
-        const __m256i h = load32(c + 144);
+      if constexpr (five_bits<L>()) {
+        const __m256i h = load32(c + quants_at<L>() + 128);
         for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], fifth_bits_of(h, j));
       }
       for (int m = 0; m < MT; ++m) {
@@ -737,7 +762,7 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
           sum = _mm256_set1_epi32(-x_offset<L>() * xb->qsum);  // (q - o) . x
           for (int j = 0; j < 8; ++j) sum = dot4_add(sum, u[j], broadcast4(xb->q + x_at<L>(j)));
         } else {  // Q4 and Q5 (Q8 is signed_q here): int16 sums of 8 and 4 (see dot4_16)
-          constexpr int fit = L == Legacy::Q4 ? 8 : 4;
+          constexpr int fit = five_bits<L>() ? 4 : 8;
           sum = _mm256_set1_epi32(-x_offset<L>() * xb->qsum);
           for (int j0 = 0; j0 < 8; j0 += fit) {
             __m256i s16 = dot4_16(u[j0], broadcast4(xb->q + x_at<L>(j0)));
@@ -748,6 +773,7 @@ void groups_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_
         }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                  _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[m]);
+        if constexpr (has_min<L>()) acc[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xb->dsum), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) store8(y + m * ldy + n, acc[m]);
@@ -1128,9 +1154,10 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
       const uint8_t* c1 = g1 + b * column;
       prefetch_pair(c0, c1, column);
       const __m512 d = f16_pair(c0, c1);
+      const __m512 mins = has_min<L>() ? f16_pair(c0 + 16, c1 + 16) : _mm512_setzero_ps();
       __m512i u[8];  // as groups_dot_legacy's
       for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
-        const __m512i v = load_pair(c0 + 16 + 32 * j, c1 + 16 + 32 * j);
+        const __m512i v = load_pair(c0 + quants_at<L>() + 32 * j, c1 + quants_at<L>() + 32 * j);
         if (Q8) {
           u[j] = v;
         } else {
@@ -1138,8 +1165,9 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
           u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
       }
-      if constexpr (L == Legacy::Q5) {  // as groups_dot_legacy's fifth_bits_of
-        const __m512i h = load_pair(c0 + 144, c1 + 144), bit4 = _mm512_set1_epi8(0x10);
+      if constexpr (five_bits<L>()) {  // as groups_dot_legacy's fifth_bits_of
+        const __m512i h = load_pair(c0 + quants_at<L>() + 128, c1 + quants_at<L>() + 128);
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
         for (int j = 0; j < 8; ++j) {
           const __m512i moved = j <= 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4);
           u[j] = _mm512_or_si512(u[j], _mm512_and_si512(moved, bit4));
@@ -1155,6 +1183,7 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
         }
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                  _mm512_mul_ps(d, _mm512_set1_ps(xb->d)), acc[m]);
+        if constexpr (has_min<L>()) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xb->dsum), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) store16(y + m * ldy + n, acc[m]);
@@ -1216,6 +1245,8 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
 #define PAIRS(MT)                                                                              \
   s.type == Q4_0x8   ? pairs_dot_legacy<Legacy::Q4, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q5_0x8 ? pairs_dot_legacy<Legacy::Q5, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q4_1x8 ? pairs_dot_legacy<Legacy::Q4_1, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q5_1x8 ? pairs_dot_legacy<Legacy::Q5_1, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q8_0x8 ? pairs_dot_legacy<Legacy::Q8, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q4_Kx8 ? pairs_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : pairs_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
@@ -1236,6 +1267,8 @@ void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
 #define GROUPS(MT)                                                                              \
   s.type == Q4_0x8   ? groups_dot_legacy<Legacy::Q4, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q5_0x8 ? groups_dot_legacy<Legacy::Q5, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q4_1x8 ? groups_dot_legacy<Legacy::Q4_1, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
+  : s.type == Q5_1x8 ? groups_dot_legacy<Legacy::Q5_1, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q8_0x8 ? groups_dot_legacy<Legacy::Q8, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
   : s.type == Q4_Kx8 ? groups_dot_q4_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)         \
                      : groups_dot_q6_k<MT>(s.w, s.row_bytes, n0, n1, xk, xstride, K, o, ldy)
@@ -1254,7 +1287,9 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
                  int64_t K, Out* y, int64_t ldy) {
   switch (s.type) {
     case Q4_0x8:
+    case Q4_1x8:
     case Q5_0x8:
+    case Q5_1x8:
     case Q8_0x8:
     case Q4_Kx8:
     case Q6_Kx8: return group_rows(s, n0, n1, a, M, K, y, ldy);
@@ -1364,29 +1399,24 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
 
 namespace {
 
-void repack_q4_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
-  constexpr int64_t column = 18 * kGroupRows;
+// Q4_0, Q4_1, Q5_0 or Q5_1 (`L`) regrouped: d, m, quant bytes and fifth bits where
+// Q4_0x8, Q4_1x8 and Q5_0x8 say.
+template <Legacy L>
+void repack_legacy(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
+  constexpr int64_t column = column_bytes<L>(), bytes = column / kGroupRows;
+  constexpr int64_t qh_at = has_min<L>() ? 4 : 2, qs_at = qh_at + (five_bits<L>() ? 4 : 0);
   for (int64_t b = 0; b < blocks; ++b) {
     uint8_t* c = group + b * column;
     for (int64_t r = 0; r < kGroupRows; ++r) {
-      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 18;
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * bytes;
       std::memcpy(c + 2 * r, block, 2);
-      for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 2 + 4 * j, 4);
-    }
-  }
-}
-
-void repack_q5_0(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group, int64_t g) {
-  constexpr int64_t column = 22 * kGroupRows;
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint8_t* c = group + b * column;
-    for (int64_t r = 0; r < kGroupRows; ++r) {
-      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * 22;
+      if (has_min<L>()) std::memcpy(c + 16 + 2 * r, block + 2, 2);
+      for (int j = 0; j < 4; ++j)
+        std::memcpy(c + quants_at<L>() + 32 * j + 4 * r, block + qs_at + 4 * j, 4);
+      if (!five_bits<L>()) continue;
       uint32_t qh;
-      std::memcpy(&qh, block + 2, 4);
-      std::memcpy(c + 2 * r, block, 2);
-      for (int j = 0; j < 4; ++j) std::memcpy(c + 16 + 32 * j + 4 * r, block + 6 + 4 * j, 4);
-      uint8_t* fifth = c + 144 + 4 * r;
+      std::memcpy(&qh, block + qh_at, 4);
+      uint8_t* fifth = c + quants_at<L>() + 128 + 4 * r;
       std::memset(fifth, 0, 4);
       for (int v = 0; v < 32; ++v) {
         const FifthBitPlace p = fifth_bit_place(v);
@@ -1447,12 +1477,12 @@ void repack_q6_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
 }  // namespace
 
 // A weight's blocks in the layout its kernel reads fastest, and that layout's type: Q4_0,
-// Q5_0, Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q5_0x8, Q8_0x8,
-// Q4_Kx8, Q6_Kx8); anything else as it is.
+// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped (Q4_0x8, Q4_1x8,
+// Q5_0x8, Q5_1x8, Q8_0x8, Q4_Kx8, Q6_Kx8); anything else as it is.
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols) {
   check_blocks(w, type, cols);
-  const bool regroups =
-      type == Q4_0 || type == Q5_0 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  const bool regroups = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
+                        type == Q8_0 || type == Q4_K || type == Q6_K;
   if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
@@ -1463,8 +1493,10 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   const int64_t stride = w.stride(0), group_bytes = out.size(1);
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      (type == Q4_0   ? repack_q4_0
-       : type == Q5_0 ? repack_q5_0
+      (type == Q4_0   ? repack_legacy<Legacy::Q4>
+       : type == Q4_1 ? repack_legacy<Legacy::Q4_1>
+       : type == Q5_0 ? repack_legacy<Legacy::Q5>
+       : type == Q5_1 ? repack_legacy<Legacy::Q5_1>
        : type == Q8_0 ? repack_q8_0
        : type == Q4_K ? repack_q4_k
                       : repack_q6_k)(src, stride, blocks, dst + g * group_bytes, g);

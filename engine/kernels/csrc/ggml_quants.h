@@ -14,6 +14,7 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
 // y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T on int8-quantized x; y in x's dtype.
 torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
                           std::vector<int64_t> types);
-// The blocks in the layout `ggml_linear` reads fastest, and that layout's type id: Q4_0, Q5_0,
-// Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped 8 rows at a time (ids of our own).
+// The blocks in the layout `ggml_linear` reads fastest, and that layout's type id: Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K and Q6_K of a multiple of 8 rows regrouped 8 rows at a time (ids
+// of our own).
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols);
