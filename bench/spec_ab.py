@@ -1,6 +1,6 @@
 """Speculative decoding on against off in one process: engines with the same model and
-prompts, in turns, each round's order reversed, so a server's start-up and the machine's
-drift fall on all alike.
+prompts, taking turns batch by batch (the order reversed every batch), so the machine's
+drift falls on all alike.
 
     .venv/bin/python -m bench.spec_ab [--workload unique,shared-prefix] [--streams 1,16]
         [--num-requests 16] [--prefix-len 500] [--max-tokens 64] [--rounds 6]
@@ -9,9 +9,9 @@ drift fall on all alike.
         --max-tokens 300 --num-speculative-tokens 7,8,15    # draft caps against each other
 
 Per workload and stream count: output tok/s of each engine per round (greedy, `ignore_eos`;
-`--streams` requests submitted together, the next batch when they are done; one stream:
-one request at a time) and, per speculating engine (one per `--num-speculative-tokens`),
-the median of the per-round ratios on / off with their range. The copy-edit workload's
+`--streams` requests submitted together, each batch run by every engine before the next;
+one stream: one request at a time) and, per speculating engine (one per
+`--num-speculative-tokens`), the median of the per-round ratios on / off with their range. The copy-edit workload's
 prompts go through the model's chat template (a file to return with an edit). A first
 round of each is a warm-up and not counted (it fills the prefix caches alike). `bench
 compare` measures the same through the servers; there each server starts once and runs
@@ -30,15 +30,24 @@ from bench.workloads import WorkloadSpec, build_prompts
 CHAT_WORKLOADS = ("copy-edit",)  # asked as a chat turn, as a user would
 
 
-def tok_per_s(llm, prompts: list, streams: int, max_tokens: int) -> float:
+def interleaved_rates(
+    engines: dict, prompts: list, streams: int, max_tokens: int, reverse: bool
+) -> dict[str, float]:
+    """Output tok/s of each engine over the same batches of `streams` requests, the engines
+    taking turns batch by batch (their order reversed every batch, and for the first batch
+    when `reverse`), so the machine's drift within a round falls on all of them alike."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(prompts), streams):
-        outputs = llm.generate(prompts[i : i + streams], params, use_tqdm=False)
-        tokens += sum(len(o.token_ids) for o in outputs)
-    return tokens / (time.perf_counter() - start)
+    names = list(engines)
+    seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    for batch, i in enumerate(range(0, len(prompts), streams)):
+        for name in names[::-1] if (batch + reverse) % 2 else names:
+            start = time.perf_counter()
+            outputs = engines[name].generate(prompts[i : i + streams], params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(o.token_ids) for o in outputs)
+    return {name: tokens[name] / seconds[name] for name in names}
 
 
 def workload_prompts(llm, workload: str, args: argparse.Namespace) -> list:
@@ -83,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         for streams in (int(s) for s in args.streams.split(",")):
             runs: dict[str, list[float]] = {name: [] for name in names}
             for round_ in range(args.rounds + 1):
-                for name in names if round_ % 2 else names[::-1]:
-                    rate = tok_per_s(engines[name], prompts, streams, args.max_tokens)
-                    if round_:  # round 0 warms them up
-                        runs[name].append(rate)
+                rates = interleaved_rates(engines, prompts, streams, args.max_tokens, round_ % 2)
+                if round_:  # round 0 warms them up
+                    for name in names:
+                        runs[name].append(rates[name])
             print(f"{workload} streams {streams}: off {[round(r, 1) for r in runs['off']]} tok/s",
                   flush=True)  # fmt: skip
             for name in names[1:]:
