@@ -37,7 +37,7 @@ ANY_ROWS = sys.maxsize
 # The formats whose regrouped kernel takes bf16 calls of any size. Q4_1 and Q5_1 (the
 # default model's Q4_1 file) are regrouped for decode and verify rows, but their prefill
 # stays on dequantized bf16 weights: there int8 activations cost the default model ~1.3-1.8%
-# perplexity against -0.06% (tests/engine/test_quality_gate.py), and on an AMX Xeon the
+# perplexity against -0.06% (tests/engine/test_quality_gate.py), and on an AVX512-BF16 Xeon the
 # bf16 GEMM was 2.8x faster at 512 rows (`bench.ggml_kernels --prefill`, 2026-11-28).
 INT8_AT_ANY_SIZE = frozenset({"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
 
