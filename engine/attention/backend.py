@@ -26,11 +26,21 @@ class AttentionBackend(ABC):
     # `max_seq_len`, and the layer calls read the step from the metadata's tensors alone.
     cuda_graphs = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+    # Whether the backend attends a sliding window (`window`); one that does not is refused
+    # for a windowed layer group by `get_attention_backend`.
+    sliding_windows = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        # A sliding-window layer's backend: a query at position p attends keys p - window + 1
+        # .. p (transformers' sliding mask); None: every key up to p. One backend serves one
+        # KV cache group (kv_cache/groups.py), whose layers all have the same window.
+        self.window = window
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional)
         """Plan the step ``meta`` describes (nothing to plan by default)."""

@@ -44,8 +44,8 @@ class _Rows:
 
 
 class CpuPagedBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
-        super().__init__(num_heads, num_kv_heads)
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, window)
         self._kernels = ggml_kernels()  # the paged decode kernel of both builds
         if self._kernels is None:
             raise ValueError("the cpu-paged attention backend needs AVX2 (see the log)")
@@ -55,7 +55,7 @@ class CpuPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._rows = _plan_rows(meta)
-        self._prefills = plan_prefills(meta, longer_than=KERNEL_MAX_QUERY)
+        self._prefills = plan_prefills(meta, longer_than=KERNEL_MAX_QUERY, window=self.window)
         self._prepared = True
 
     def kernel_only_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -90,15 +90,16 @@ class CpuPagedBackend(AttentionBackend):
     def _attend_rows(
         self, q: torch.Tensor, k_cache, v_cache, rows: _Rows, scale: float
     ) -> torch.Tensor:
+        window = self.window or 0
         if is_quantized(k_cache) and q.dtype != torch.float32:
             # int8 rows are read by the float32 kernel (the bf16 one reads bf16 caches).
             out = self._kernels.paged_decode_attention(
                 q.float().contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens,
-                scale,
+                scale, window,
             )  # fmt: skip
             return out.to(q.dtype)
         return self._kernels.paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens, scale
+            q.contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window
         )
 
 

@@ -87,16 +87,21 @@ def plan_decodes(
     use_cascade: bool,
     num_kv_heads: int,
     queries_per_kv: int,
+    window: int | None = None,
 ) -> DecodePlan:
-    """How this step's decodes are attended (``group_size`` decodes per call, None: by device)."""
+    """How this step's decodes are attended (``group_size`` decodes per call, None: by
+    device); under a sliding window (no cascade) each reads from its window's first block."""
     device = meta.block_tables.device
     groups = cascade_groups(meta) if use_cascade else []
     in_cascade = {r for g in groups for r in g.requests}
+    bs, lens = meta.block_size, meta.seq_lens_list
     plain_entries = [
-        (r, 0) for r, n in enumerate(meta.query_lens) if n == 1 and r not in in_cascade
+        (r, 0 if window is None else max(0, lens[r] - window) // bs)
+        for r, n in enumerate(meta.query_lens)
+        if n == 1 and r not in in_cascade
     ]
     plan = DecodePlan(
-        plain=_decode_groups(meta, group_size, plain_entries),
+        plain=_decode_groups(meta, group_size, plain_entries, window=window),
         cascade=groups,
         prefix_batches=[],
         carry_index=None,
@@ -186,6 +191,7 @@ def _decode_groups(
     entries: list[tuple[int, int]],
     extra_blocks: int = 0,
     heads: tuple[int, int] = (1, 1),
+    window: int | None = None,
 ) -> list[DecodeGroup]:
     """Pack decodes, given as (request, first block to attend), into SDPA calls.
 
@@ -212,13 +218,18 @@ def _decode_groups(
         cols = np.minimum(np.arange(blocks + extra_blocks), own_blocks[lo:hi, None] - 1)
         table = meta.block_tables_host[reqs[lo:hi, None], first[lo:hi, None] + cols]
         keys = torch.arange((blocks + extra_blocks) * bs, device=device)
-        valid = keys[None, :] < torch.from_numpy(own[lo:hi]).to(device)[:, None]
+        own_keys = torch.from_numpy(own[lo:hi]).to(device)[:, None]
+        valid = keys[None, :] < own_keys
+        windowed = window is not None and bool((own[lo:hi] > window).any())
+        if windowed:  # the keys before each row's window, in its first block
+            valid &= keys[None, :] >= own_keys - window
         if extra_blocks:
             mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
             mask = mask.masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :].repeat(1, *heads, 1)
         else:
-            mask = None if (own[lo:hi] == blocks * bs).all() else valid[:, None, None, :]
+            full = (own[lo:hi] == blocks * bs).all() and not windowed
+            mask = None if full else valid[:, None, None, :]
         token_slice, token_index = _token_selector(meta, reqs[lo:hi].tolist(), device)
         groups.append(
             DecodeGroup(

@@ -15,8 +15,10 @@ def reference_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Per request: gather its keys, ``softmax(q k^T * scale + causal mask) v`` in float32."""
+    """Per request: gather its keys, ``softmax(q k^T * scale + causal mask) v`` in float32
+    (the mask also hides keys ``window`` or more positions back, for a sliding window)."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -34,6 +36,8 @@ def reference_paged_attention(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         allowed = k_pos[None, :] <= q_pos[:, None]  # [L, S]
+        if window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
@@ -51,4 +55,4 @@ class ReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return reference_paged_attention(q, k_cache, v_cache, meta, scale)
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale, self.window)

@@ -11,11 +11,13 @@ from engine.attention.sdpa import SdpaBackend
 from engine.registry import ATTENTION_BACKENDS
 
 
-def _triton_backend(num_heads: int, num_kv_heads: int) -> AttentionBackend:
+def _triton_backend(
+    num_heads: int, num_kv_heads: int, window: int | None = None
+) -> AttentionBackend:
     # Imported on use: triton comes with torch's CUDA build, and loading it costs a second.
     from engine.attention.triton_paged import TritonBackend
 
-    return TritonBackend(num_heads, num_kv_heads)
+    return TritonBackend(num_heads, num_kv_heads, window)
 
 
 # name -> factory of (num_heads, num_kv_heads), in engine/registry.py's ATTENTION_BACKENDS
@@ -54,9 +56,15 @@ def cpu_paged_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 16
 
 
-def get_attention_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
+def get_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, window: int | None = None
+) -> AttentionBackend:
     """A new backend ``name`` (a registered one, as the execution plan resolved it) for this
-    head layout: each model gets its own, since a backend keeps the plan of its last step."""
-    backend = ATTENTION_BACKENDS[name](num_heads, num_kv_heads)  # ValueError naming the choices
+    head layout and sliding window (None: full attention): each KV cache group of a model
+    gets its own, since a backend keeps the plan of its last step."""
+    factory = ATTENTION_BACKENDS[name]  # ValueError naming the choices
+    if window is not None and not backend_class(name).sliding_windows:
+        raise ValueError(f"the {name} attention backend has no sliding window")
+    backend = factory(num_heads, num_kv_heads, window=window)
     backend.name = name
     return backend

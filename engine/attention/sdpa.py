@@ -57,12 +57,14 @@ class SdpaBackend(AttentionBackend):
         self,
         num_heads: int,
         num_kv_heads: int,
+        window: int | None = None,
         decode_group: int | None = None,
         cascade: bool = True,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads)
+        super().__init__(num_heads, num_kv_heads, window)
         self.decode_group = decode_group
-        self.cascade = cascade
+        # A window hides a shared prefix's first keys from the later members: no cascade.
+        self.cascade = cascade and window is None
         self._plan: _StepPlan | None = None  # the step last prepared, read by every layer
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -72,8 +74,9 @@ class SdpaBackend(AttentionBackend):
             self.cascade,
             self.num_kv_heads,
             self.num_heads // self.num_kv_heads,
+            self.window,
         )
-        self._plan = _StepPlan(decodes, plan_prefills(meta))
+        self._plan = _StepPlan(decodes, plan_prefills(meta, window=self.window))
 
     def __call__(
         self,
@@ -106,26 +109,43 @@ class SdpaBackend(AttentionBackend):
         return out
 
 
-def plan_prefills(meta: AttentionMetadata, longer_than: int = 1) -> list[Prefill]:
+def plan_prefills(
+    meta: AttentionMetadata, longer_than: int = 1, window: int | None = None
+) -> list[Prefill]:
     """The step's queries of more than `longer_than` tokens (every multi-token one by
-    default); requests of one shape share one causal mask."""
+    default); requests of one shape share one causal mask. Under a sliding window each
+    query's keys start at the block of its first query's first key (the blocks before it
+    may be gone from the request's table), and the mask is a band."""
     device = meta.block_tables.device
-    masks: dict[tuple[int, int], torch.Tensor] = {}
+    bs = meta.block_size
+    masks: dict[tuple[int, int, int], torch.Tensor] = {}
     prefills = []
     starts = meta.query_start_loc_list
     for r, q_len in enumerate(meta.query_lens):
         if q_len <= longer_than:
             continue
         seq_len = meta.seq_lens_list[r]
+        skip = 0  # whole blocks before every query's window
+        if window is not None:
+            skip = max(0, seq_len - q_len - window + 1) // bs * bs
+        keys = seq_len - skip
         mask = None
-        if q_len != seq_len:  # queries at positions S-L.. see the cached prefix too
-            mask = masks.get((q_len, seq_len))
+        if q_len != keys or (window is not None and q_len > window):
+            mask = masks.get((q_len, keys, skip))
             if mask is None:
-                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
-                mask = masks[q_len, seq_len] = mask.tril(seq_len - q_len)
+                mask = masks[q_len, keys, skip] = _prefill_mask(q_len, keys, window, device)
         tokens = slice(starts[r], starts[r + 1])
-        prefills.append(Prefill(tokens, meta.block_tables[r], seq_len, mask))
+        prefills.append(Prefill(tokens, meta.block_tables[r, skip // bs :], keys, mask))
     return prefills
+
+
+def _prefill_mask(q_len: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool ``[L, S]``: the L last of S positions each see the keys up to their own (and,
+    under a sliding window, fewer than `window` positions back)."""
+    mask = torch.ones(q_len, keys, dtype=torch.bool, device=device).tril(keys - q_len)
+    if window is not None:
+        mask &= ~torch.ones_like(mask).tril(keys - q_len - window)
+    return mask
 
 
 # --------------------------------------------------------------------------- gathers

@@ -282,9 +282,10 @@ def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 class TritonBackend(AttentionBackend):
     cuda_graphs = True  # a decode-only plan is integers; the kernels read meta's tensors
+    sliding_windows = False  # not yet: a windowed model on CUDA takes sdpa (the plan's choice)
 
-    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
-        super().__init__(num_heads, num_kv_heads)
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, window)
         self._plan: _Plan | None = None
         # The step's compile-time arguments, made by its first layer call (they need the
         # query's head_dim and dtype) and reused by the others.

@@ -56,7 +56,7 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
     const torch::Tensor q = rope_write_kv(layer.qkv(x), cos, sin, k_cache, v_cache,
                                           slot_mapping, num_heads_, num_kv_heads_);
     const torch::Tensor attn =
-        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_);
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0);
     const torch::Tensor o = layer.o(attn.view({T, num_heads_ * head_dim_}));
     auto [y, stream2] = add_rms_norm(o, stream, layer.post_attention_norm, eps_);
     delta = layer.down(silu_mul(layer.gate_up(y)));

@@ -23,9 +23,11 @@ bool is_f32(const torch::Tensor& x) {
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
-  if (is_f32(q)) return paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, scale);
-  BF16(paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale));
+                                     const torch::Tensor& seq_lens, double scale,
+                                     int64_t window) {
+  if (is_f32(q))
+    return paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  BF16(paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, window));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,

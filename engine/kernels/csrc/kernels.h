@@ -14,7 +14,8 @@
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale);
+                                     const torch::Tensor& seq_lens, double scale,
+                                     int64_t window);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                       const c10::optional<torch::Tensor>& residual,
                                                       const torch::Tensor& weight, double eps);
@@ -28,7 +29,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
                                          const torch::Tensor& v_cache,
                                          const torch::Tensor& block_tables,
-                                         const torch::Tensor& seq_lens, double scale);
+                                         const torch::Tensor& seq_lens, double scale,
+                                     int64_t window);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& weight, double eps);
@@ -52,7 +54,8 @@ torch::Tensor dequantize_int4(const torch::Tensor& packed, const torch::Tensor& 
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache,
                                           const torch::Tensor& block_tables,
-                                          const torch::Tensor& seq_lens, double scale);
+                                          const torch::Tensor& seq_lens, double scale,
+                                     int64_t window);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& weight, double eps);

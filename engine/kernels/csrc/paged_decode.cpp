@@ -143,7 +143,8 @@ void attend_chunk(const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache,
                                           const torch::Tensor& block_tables,
-                                          const torch::Tensor& seq_lens, double scale) {
+                                          const torch::Tensor& seq_lens, double scale,
+                                          int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q and the caches must be bfloat16");
   auto attend = [](const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t end,
                    Partial part) {
@@ -151,6 +152,6 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
       attend_chunk<decltype(group)::value>(p, r, g, begin, end, part);
     });
   };
-  return paged_decode::run<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale,
+  return paged_decode::run<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
                                          kLanes, attend);
 }

@@ -75,13 +75,20 @@ void with_group(int64_t group, F f) {
   }
 }
 
+// The first key a query at position len - 1 attends: its last `window` keys (a sliding-window
+// layer: transformers' mask keeps key k for query q when q - k < window), or all (window 0).
+inline int64_t first_key(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
 // Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
 // every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
 // `lanes`: the head_dim multiple the caller's vectors need.
 template <typename T, typename KV = T, typename Attend>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& seq_lens, double scale, int64_t lanes, Attend attend) {
+                  const torch::Tensor& seq_lens, double scale, int64_t window, int64_t lanes,
+                  Attend attend) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [N, H, D] and caches [blocks, block_size, KVH, D] expected");
@@ -111,7 +118,8 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
   for (int64_t r = 0; r < N; ++r) {
     const int64_t len = p.seq_lens[r];
     TORCH_CHECK(len > 0 && len <= p.max_blocks * p.block_size, "seq_len out of range");
-    first_task[r + 1] = first_task[r] + KVH * ((len + kChunkTokens - 1) / kChunkTokens);
+    const int64_t keys = len - first_key(len, window);
+    first_task[r + 1] = first_task[r] + KVH * ((keys + kChunkTokens - 1) / kChunkTokens);
   }
   const int64_t part_floats = Partial::floats(p.group, D);
   std::unique_ptr<float[]> parts(new float[first_task[N] * part_floats]);  // not zeroed
@@ -121,7 +129,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
                         first_task.begin() - 1;
       const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
       const int64_t local = task - first_task[r], g = local / chunks, c = local % chunks;
-      const int64_t start = c * kChunkTokens;
+      const int64_t start = first_key(p.seq_lens[r], window) + c * kChunkTokens;
       const int64_t stop = std::min<int64_t>(start + kChunkTokens, p.seq_lens[r]);
       attend(p, r, g, start, stop, Partial(parts.get() + task * part_floats, p.group));
     }

@@ -156,7 +156,8 @@ void attend_chunk(const Problem<KV>& p, int64_t r, int64_t g, int64_t begin, int
 torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
                                          const torch::Tensor& v_cache,
                                          const torch::Tensor& block_tables,
-                                         const torch::Tensor& seq_lens, double scale) {
+                                         const torch::Tensor& seq_lens, double scale,
+                                          int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   auto attend = [](const auto& p, int64_t r, int64_t g, int64_t begin, int64_t end,
                    Partial part) {
@@ -166,8 +167,8 @@ torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Te
     });
   };
   if (k_cache.scalar_type() == at::kChar)
-    return paged_decode::run<float, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale,
+    return paged_decode::run<float, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
                                             kLanes, attend);
-  return paged_decode::run<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, kLanes,
+  return paged_decode::run<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, kLanes,
                                   attend);
 }
