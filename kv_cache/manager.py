@@ -21,6 +21,15 @@ The scheduler's calls, per step:
 
 `req` is any object with request_id, all_token_ids, num_computed_tokens and
 extra_keys. Requests are keyed by request_id.
+
+A manager serves one KV cache group (kv_cache/groups.py): layers of one attention kind.
+Under a sliding window of W tokens a query at position p reads keys p - W + 1 .. p only,
+so `allocate_slots` gives back the blocks that fell out of the window (they stay cached,
+for a later request's hit), and `get_computed_blocks` looks for the last W - 1 tokens of
+a hit rather than all of them. The table keeps its indexing (block i holds tokens
+i*bs .. i*bs + bs - 1): the first `num_skipped` entries are placeholders (`SKIPPED`) that
+no kernel reads. A model with several groups has one manager per group over one shared
+block pool (kv_cache/hybrid.py).
 """
 
 from __future__ import annotations
@@ -43,11 +52,17 @@ class RequestLike(Protocol):
     extra_keys: tuple
 
 
+# A block-table entry a sliding window no longer reads (its block was given back). Any block
+# id would do, as attention never reads it; 0 keeps the table a valid index everywhere.
+SKIPPED = 0
+
+
 class _RequestState:
     """What the manager remembers about one request."""
 
     __slots__ = (
         "block_ids",
+        "num_skipped",
         "block_hashes",
         "num_cached_blocks",
         "extra",
@@ -57,6 +72,8 @@ class _RequestState:
     def __init__(self, extra: object) -> None:
         # The block table, append-only; the blocks themselves are the pool's.
         self.block_ids: tuple[int, ...] = ()
+        # block_ids[:num_skipped] are `SKIPPED` (sliding window): they hold no block.
+        self.num_skipped = 0
         # Hashes of the request's full blocks of known tokens, computed once
         # and extended as the request grows.
         self.block_hashes: list[BlockHash] = []
@@ -78,11 +95,24 @@ class KVCacheManager:
         hash_algo: str = "builtin",
         event_listener: EventListener | None = None,
         tier: HostTier | None = None,
+        window: int | None = None,
+        block_pool: BlockPool | None = None,
+        group_key: tuple = (),
     ) -> None:
+        """`window`: the group's sliding window in tokens (None: full attention).
+        `block_pool`: a pool shared with the other groups of a model (else its own), and
+        `group_key`, which keeps this group's block hashes apart from theirs (the same
+        tokens hold other layers' K/V in each group)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         if tier is not None and (hash_algo != "sha256" or not enable_caching):
             raise ValueError("a second KV tier needs prefix caching with sha256 block hashes")
+        if tier is not None and window is not None:
+            raise ValueError("the second KV tier does not serve sliding-window groups yet")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {window}")
+        self.window = window
+        self.group_key = group_key
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
@@ -95,7 +125,7 @@ class KVCacheManager:
         self._loads: dict[int, tuple[BlockHash, bytes]] = {}  # brought back: copy in
         self._event_listener = event_listener
         listener = self._on_pool_event if tier is not None else event_listener
-        self.block_pool = BlockPool(num_blocks, enable_caching, listener)
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, listener)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestState] = {}
         # Blocks pinned resident (`pin`): each holds one reference for the manager's life.
@@ -116,22 +146,30 @@ class KVCacheManager:
     def _state(self, req: RequestLike) -> _RequestState:
         state = self._requests.get(req.request_id)
         if state is None:
-            state = _RequestState(self._hasher.prepare_extra(req.extra_keys))
+            state = _RequestState(self._prepare_extra(req))
             self._requests[req.request_id] = state
         return state
 
-    def get_computed_blocks(self, req: RequestLike) -> tuple[list[KVCacheBlock], int]:
+    def _prepare_extra(self, req: RequestLike) -> object:
+        keys = req.extra_keys + self.group_key if self.group_key else req.extra_keys
+        return self._hasher.prepare_extra(keys)
+
+    def get_computed_blocks(
+        self, req: RequestLike, max_blocks: int | None = None
+    ) -> tuple[list[KVCacheBlock | None], int]:
         """The longest run of cached full blocks at the start of
         req.all_token_ids, and the number of tokens they hold.
 
         Capped at len(all_token_ids) - 1 tokens: the last token must be
         computed to get logits, so a fully cached prompt gives up its last
-        block. With a second tier, the run continues with the blocks it brings
-        back (`_restore`).
+        block (and at `max_blocks`, a hit the other groups can serve). With a second
+        tier, the run continues with the blocks it brings back (`_restore`). Under a
+        sliding window the hit is the longest prefix whose last blocks (those the next
+        token's window reads) are cached; the blocks before them are None.
         """
         if not self.enable_caching:
             return [], 0
-        state, hits = self._lookup(req)
+        state, hits = self._lookup(req, max_blocks)
         if self.tier is not None:
             hits += self._restore(req, state, hits)
         num_hit_tokens = len(hits) * self.block_size
@@ -200,7 +238,9 @@ class KVCacheManager:
             return 0
         return len(self._lookup(req)[1]) * self.block_size
 
-    def _lookup(self, req: RequestLike) -> tuple[_RequestState, list[KVCacheBlock]]:
+    def _lookup(
+        self, req: RequestLike, max_blocks: int | None = None
+    ) -> tuple[_RequestState, list[KVCacheBlock | None]]:
         state = self._state(req)
         token_ids = req.all_token_ids
         num_tokens = len(token_ids)
@@ -210,38 +250,73 @@ class KVCacheManager:
         if len(hashes) < num_full:
             self._hasher.extend(hashes, token_ids, block_size, state.extra, num_full)
         lookup = self.block_pool.cached_hash_to_block.get
-        hits: list[KVCacheBlock] = []
-        for i in range((num_tokens - 1) // block_size):
+        limit = (num_tokens - 1) // block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        if self.window is not None:
+            return state, self._window_hit(hashes, limit)
+        hits: list[KVCacheBlock | None] = []
+        for i in range(limit):
             block = lookup(hashes[i])
             if block is None:
                 break
             hits.append(block)
         return state, hits
 
+    def _window_hit(self, hashes: list[BlockHash], limit: int) -> list[KVCacheBlock | None]:
+        """The longest hit of at most `limit` blocks whose last blocks (the ones the next
+        token's window reaches: ceil((W - 1) / bs), at least one) are cached, or whose
+        blocks are all cached; None stands for each block before them. Searched from the
+        end, as vLLM's sliding-window manager does."""
+        need = max(1, -(-(self.window - 1) // self.block_size))
+        lookup = self.block_pool.cached_hash_to_block.get
+        run: list[KVCacheBlock] = []  # cached blocks ending at the candidate's end, reversed
+        for i in range(limit - 1, -1, -1):
+            block = lookup(hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) == need or i == 0:
+                return [None] * i + run[::-1]
+        return []
+
     def allocate_slots(
         self,
         req: RequestLike,
         num_new_tokens: int,
-        hits: Sequence[KVCacheBlock] = (),
+        hits: Sequence[KVCacheBlock | None] = (),
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens (after the hits, if any).
 
         Returns the newly allocated blocks, or None with nothing changed when
-        the pool is short. Blocks that become full of known tokens are cached
-        right away, so later requests in the same step can hit them.
+        the pool is short (but for the blocks a sliding window gave back, which
+        the request never reads again). Blocks that become full of known tokens
+        are cached right away, so later requests in the same step can hit them.
         """
+        num_needed = self.num_blocks_needed(req, num_new_tokens, hits)
+        if num_needed is None or num_needed > len(self.block_pool.free_block_queue):
+            return None
+        return self._allocate(req, num_new_tokens, hits)
+
+    def num_blocks_needed(
+        self, req: RequestLike, num_new_tokens: int, hits: Sequence[KVCacheBlock | None] = ()
+    ) -> int:
+        """The free blocks `allocate_slots` would take (a hit in the free queue counts as
+        one), after giving back what the request's window has passed."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         state = self._requests.get(req.request_id)
         if state is None:
             if hits:
                 raise ValueError("hits must come from get_computed_blocks for this request")
-            state = _RequestState(self._hasher.prepare_extra(req.extra_keys))
+            state = _RequestState(None)  # nothing known yet: registered by `_allocate`
         block_size = self.block_size
         num_hits = len(hits)
+        if self.window is not None and state.block_ids:
+            self._skip_passed_blocks(state, req.num_computed_tokens)
         num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
         num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids) - num_hits
-
         # Hit blocks with ref_cnt 0 sit in the free queue: touching them uses
         # up free blocks just like allocating does.
         num_needed = max(num_new_blocks, 0)
@@ -249,17 +324,42 @@ class KVCacheManager:
             if not self.enable_caching:
                 raise ValueError("hits given but prefix caching is off")
             self._check_hits(state, hits)
-            num_needed += sum(1 for block in hits if block.ref_cnt == 0)
-        pool = self.block_pool
-        if num_needed > len(pool.free_block_queue):
-            return None
+            num_needed += sum(1 for block in hits if block is not None and block.ref_cnt == 0)
+        return num_needed
 
-        self._requests[req.request_id] = state
+    def _skip_passed_blocks(self, state: _RequestState, num_computed_tokens: int) -> None:
+        """Give back the blocks wholly before the window of the next token to compute
+        (position num_computed_tokens): tail first, as `free` does, and still cached."""
+        first_read = max(0, num_computed_tokens - self.window + 1) // self.block_size
+        first_read = min(first_read, len(state.block_ids))
+        if first_read <= state.num_skipped:
+            return
+        blocks = self.block_pool.blocks
+        passed = state.block_ids[state.num_skipped : first_read]
+        self.block_pool.free_blocks([blocks[i] for i in reversed(passed)])
+        state.block_ids = (SKIPPED,) * first_read + state.block_ids[first_read:]
+        state.num_skipped = first_read
+
+    def _allocate(
+        self, req: RequestLike, num_new_tokens: int, hits: Sequence[KVCacheBlock | None]
+    ) -> list[KVCacheBlock]:
+        """`allocate_slots` once `num_blocks_needed` said the pool has room."""
+        state = self._requests.get(req.request_id)
+        if state is None:
+            state = self._requests[req.request_id] = _RequestState(self._prepare_extra(req))
+        block_size = self.block_size
+        pool = self.block_pool
+        num_hits = len(hits)
+        num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids) - num_hits
         if state.pending_lookup is not None:
             self._count_lookup(state)
         if num_hits:
-            pool.touch(hits)
-            state.block_ids += tuple([block.block_id for block in hits])
+            held = [block for block in hits if block is not None]
+            pool.touch(held)
+            state.num_skipped = num_hits - len(held)
+            state.block_ids += (SKIPPED,) * state.num_skipped
+            state.block_ids += tuple([block.block_id for block in held])
             state.num_cached_blocks = num_hits
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
@@ -295,6 +395,8 @@ class KVCacheManager:
         if len(hits) > len(hashes):
             raise ValueError("more hits than the request has full blocks")
         for block, block_hash in zip(hits, hashes[: len(hits)], strict=True):
+            if block is None:  # before a sliding window's hit: not read
+                continue
             if block.block_hash != block_hash:
                 raise ValueError(
                     f"stale hit: block {block.block_id} no longer holds this request's prefix; "
@@ -325,7 +427,7 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             return
-        first = num_written_tokens // self.block_size
+        first = max(num_written_tokens // self.block_size, state.num_skipped)
         blocks = self.block_pool.blocks
         for block_id in state.block_ids[first : state.num_cached_blocks]:
             self.block_pool.uncache(blocks[block_id])
@@ -341,7 +443,8 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is not None and state.block_ids:
             blocks = self.block_pool.blocks
-            self.block_pool.free_blocks([blocks[i] for i in reversed(state.block_ids)])
+            held = state.block_ids[state.num_skipped :]
+            self.block_pool.free_blocks([blocks[i] for i in reversed(held)])
 
     def trim(self, req: RequestLike) -> int:
         """Free the blocks past the ones req.num_computed_tokens need: those a speculative
@@ -349,7 +452,7 @@ class KVCacheManager:
         state = self._requests.get(req.request_id)
         if state is None:
             return 0
-        keep = -(-req.num_computed_tokens // self.block_size)
+        keep = max(-(-req.num_computed_tokens // self.block_size), state.num_skipped)
         extra = state.block_ids[keep:]
         if not extra:
             return 0
@@ -364,8 +467,12 @@ class KVCacheManager:
         return state.block_ids if state is not None else ()
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The blocks the request holds (a sliding window's passed ones are not held)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
         blocks = self.block_pool.blocks
-        return [blocks[i] for i in self.get_block_ids(request_id)]
+        return [blocks[i] for i in state.block_ids[state.num_skipped :]]
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be evicted) first."""
@@ -381,12 +488,18 @@ class KVCacheManager:
     def snapshot(self, max_prefixes: int = 10) -> PoolSnapshot:
         """Every block's state and the prefixes holding the most blocks (O(blocks): for a
         dashboard's occasional look, not for every step)."""
-        tables = [
-            (state.block_ids, state.block_hashes[0] if state.block_hashes else None)
+        return take_snapshot(self.block_pool, self.held_tables(), max_prefixes)
+
+    def held_tables(self) -> list[tuple[tuple[int, ...], BlockHash | None]]:
+        """(the blocks each request holds, its first block's hash), for a snapshot."""
+        return [
+            (
+                state.block_ids[state.num_skipped :],
+                state.block_hashes[0] if state.block_hashes else None,
+            )
             for state in self._requests.values()
-            if state.block_ids
+            if len(state.block_ids) > state.num_skipped
         ]
-        return take_snapshot(self.block_pool, tables, max_prefixes)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -423,23 +536,32 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests)."""
+        self.block_pool.check_invariants()
+        check_ref_counts(self.block_pool, self.count_holders())
+
+    def count_holders(self) -> list[int]:
+        """How many of this group's tables and pins hold each block of the pool, checking
+        each table on the way (AssertionError naming the first broken invariant)."""
         pool = self.block_pool
-        pool.check_invariants()
         holders = [0] * pool.num_blocks
         for request_id, state in self._requests.items():
-            ids = state.block_ids
-            if not isinstance(ids, tuple):
+            if not isinstance(state.block_ids, tuple):
                 raise AssertionError(f"request {request_id}: block table is not a tuple")
+            if state.num_skipped and self.window is None:
+                raise AssertionError(f"request {request_id}: skipped blocks without a window")
+            if state.num_skipped > len(state.block_ids):
+                raise AssertionError(f"request {request_id}: more skipped blocks than blocks")
+            ids = state.block_ids[state.num_skipped :]
             if not all(0 <= i < pool.num_blocks for i in ids):
                 raise AssertionError(f"request {request_id} holds a block not in the pool: {ids}")
             if len(set(ids)) != len(ids):
                 raise AssertionError(f"request {request_id} holds a block twice: {ids}")
-            if state.num_cached_blocks > len(ids):
+            if state.num_cached_blocks > len(state.block_ids):
                 raise AssertionError(f"request {request_id}: more cached blocks than blocks")
             for block_id in ids:
                 holders[block_id] += 1
             blocks = [pool.blocks[i] for i in ids]
-            num_cached = state.num_cached_blocks
+            num_cached = max(state.num_cached_blocks - state.num_skipped, 0)
             if len(state.block_hashes) < num_cached:
                 raise AssertionError(f"request {request_id}: cached blocks without hashes")
             for block in blocks[num_cached:]:
@@ -450,7 +572,9 @@ class KVCacheManager:
                         f"request's cached blocks but carries a hash (not evicted?)"
                     )
             for block, block_hash in zip(
-                blocks[:num_cached], state.block_hashes[:num_cached], strict=True
+                blocks[:num_cached],
+                state.block_hashes[state.num_skipped : state.num_cached_blocks],
+                strict=True,
             ):
                 # A held cached block keeps its hash; a duplicate has none.
                 if block.block_hash is not None and block.block_hash != block_hash:
@@ -462,9 +586,14 @@ class KVCacheManager:
             holders[block.block_id] += 1
             if block.block_hash is None:
                 raise AssertionError(f"pinned block {block.block_id} lost its hash")
-        for block in pool.blocks:
-            if block.ref_cnt != holders[block.block_id]:
-                raise AssertionError(
-                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                    f"{holders[block.block_id]} block tables hold it"
-                )
+        return holders
+
+
+def check_ref_counts(pool: BlockPool, holders: list[int]) -> None:
+    """Every block's ref_cnt is the number of tables (of every group) and pins holding it."""
+    for block in pool.blocks:
+        if block.ref_cnt != holders[block.block_id]:
+            raise AssertionError(
+                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                f"{holders[block.block_id]} block tables hold it"
+            )

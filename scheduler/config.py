@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_cache.groups import KVCacheGroup
+
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
 # "fcfs": arrival order, nobody overtakes the head. "lpm": longest cached prefix first,
 # one request per uncached shared prefix at a time, arrival order again past the age bound.
@@ -32,6 +34,8 @@ class SchedulerConfig:
     # lpm: a request that has waited longer than this many seconds is admitted in arrival
     # order, before any request the cache would prefer: nothing starves.
     age_bound_s: float = 5.0
+    # The model's KV cache groups (kv_cache/groups.py); None: one full-attention group.
+    kv_cache_groups: tuple[KVCacheGroup, ...] | None = None
 
     def __post_init__(self) -> None:
         self.verify()

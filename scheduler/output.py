@@ -27,6 +27,9 @@ class ScheduledRequest:
     # end of all_token_ids). The runner samples each of the 1 + k positions and keeps
     # the drafts its samples agree with (plus one token of its own).
     num_draft_tokens: int = 0
+    # A hybrid model's other KV cache groups' tables (kv_cache/hybrid.py), in group order;
+    # () for a model of one group.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from itertools import count, islice
 from kv_cache import KVCacheManager
 from kv_cache.block_pool import EventListener
 from kv_cache.host_tier import HostTier
+from kv_cache.hybrid import HybridKVCacheManager
 from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -66,14 +67,31 @@ class Scheduler:
         self._clock = clock
         # Without the cache there is no prefix to prefer: lpm would be FCFS with extra work.
         self._lpm = config.scheduling_policy == "lpm" and config.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_cache_hash,
-            event_listener=kv_event_listener,
-            tier=tier,
-        )
+        groups = config.kv_cache_groups or ()
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if len(groups) > 1:
+            if tier is not None:
+                raise ValueError("the second KV tier does not serve hybrid models yet")
+            self.kv_cache_manager = HybridKVCacheManager(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                groups=groups,
+                enable_caching=config.enable_prefix_caching,
+                hash_algo=config.prefix_cache_hash,
+                event_listener=kv_event_listener,
+            )
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                enable_caching=config.enable_prefix_caching,
+                hash_algo=config.prefix_cache_hash,
+                event_listener=kv_event_listener,
+                tier=tier,
+                window=groups[0].window if groups else None,
+            )
+        # A hybrid model's other groups' tables ride with each scheduled request.
+        self._group_tables = self.kv_cache_manager.get_group_block_ids if len(groups) > 1 else None
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
         # Arrival order; preempted requests go to the head.
         self.waiting: deque[Request] = deque()
@@ -219,6 +237,7 @@ class Scheduler:
         # besides the KV manager's.
         allocate = self.kv_cache_manager.allocate_slots
         block_table = self.kv_cache_manager.get_block_ids
+        group_tables = self._group_tables
         make = ScheduledRequest
         running = self.running
         index = 0
@@ -263,6 +282,7 @@ class Scheduler:
                     end >= num_tokens,
                     len(new_blocks),
                     len(drafts),
+                    group_tables(request_id) if group_tables else (),
                 )
             )
             budget -= num_new
@@ -376,6 +396,7 @@ class Scheduler:
         all_ids = request.all_token_ids
         request.num_computed_tokens = end
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        group_tables = self._group_tables
         return ScheduledRequest(
             request,
             request.request_id,
@@ -384,6 +405,7 @@ class Scheduler:
             block_ids,
             end == len(all_ids),
             len(block_ids),  # just admitted: its whole table is new
+            group_block_ids=group_tables(request.request_id) if group_tables else (),
         )
 
     def _preempt(self, request: Request) -> None:

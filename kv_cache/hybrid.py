@@ -1,0 +1,167 @@
+"""HybridKVCacheManager: one KVCacheManager per KV cache group (kv_cache/groups.py) over one
+shared block pool, behind the interface the scheduler speaks to a single manager.
+
+A prefix hit must serve every group: it is the longest prefix each group can serve, found
+as vLLM's hybrid coordinator does. A full-attention group's hit is a prefix of the prompt
+(any shorter prefix is a hit too); a sliding-window group needs only the last blocks
+before the hit's end, so it is asked for its best hit within the full groups' one, and
+every group again within the shortest answer until they agree. Allocation checks what
+every group needs against the shared free queue before any group takes a block, so a
+request gets room in all its groups or in none.
+
+`get_block_ids` is the first group's table (the one a single-group model has);
+`get_group_block_ids` gives the others, which the model runner turns into each group's
+attention metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_cache.block import KVCacheBlock
+from kv_cache.block_pool import BlockPool, EventListener
+from kv_cache.groups import KVCacheGroup
+from kv_cache.manager import KVCacheManager, RequestLike, check_ref_counts
+from kv_cache.snapshot import PoolSnapshot, take_snapshot
+from kv_cache.stats import BlockCounts, PrefixCacheStats
+
+GroupHits = list[list[KVCacheBlock | None]]
+
+
+class HybridKVCacheManager:
+    tier = None  # the second tier keeps single-group models only, for now
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        groups: Sequence[KVCacheGroup],
+        enable_caching: bool = True,
+        hash_algo: str = "builtin",
+        event_listener: EventListener | None = None,
+    ) -> None:
+        if len(groups) < 2:
+            raise ValueError("a hybrid KV cache manager needs two groups or more")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, event_listener)
+        self.groups = tuple(
+            KVCacheManager(
+                num_blocks,
+                block_size,
+                enable_caching,
+                hash_algo,
+                window=group.window,
+                block_pool=self.block_pool,
+                group_key=(("kv_cache_group", g),) if g else (),
+            )  # fmt: skip
+            for g, group in enumerate(groups)
+        )
+        # The requests' prefix-cache figures: the first group's (each group counts the
+        # same request, and a hit is the same number of tokens in every group).
+        self.stats: PrefixCacheStats = self.groups[0].stats
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.block_pool.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return 0
+
+    def get_computed_blocks(self, req: RequestLike) -> tuple[GroupHits, int]:
+        """Each group's hit blocks for the longest prefix every group serves, and its
+        length in tokens."""
+        if not self.enable_caching:
+            return [[] for _ in self.groups], 0
+        limit: int | None = None
+        while True:
+            hits = [group.get_computed_blocks(req, limit)[0] for group in self.groups]
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                break
+            limit = shortest
+        num_hit_tokens = shortest * self.block_size
+        for group in self.groups:  # the lookup each counts once allocated: the common one
+            state = group._state(req)
+            state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def num_cached_tokens(self, req: RequestLike) -> int:
+        if not self.enable_caching:
+            return 0
+        num_tokens = self.get_computed_blocks(req)[1]
+        for group in self.groups:  # a ranking only: nothing to count later
+            group._state(req).pending_lookup = None
+        return num_tokens
+
+    def allocate_slots(
+        self, req: RequestLike, num_new_tokens: int, hits: GroupHits | None = None
+    ) -> list[KVCacheBlock] | None:
+        """Room for num_new_tokens in every group, or None with no block taken. Returns
+        the blocks newly allocated across the groups."""
+        hits = hits or [[] for _ in self.groups]
+        needed = sum(
+            group.num_blocks_needed(req, num_new_tokens, h)
+            for group, h in zip(self.groups, hits, strict=True)
+        )
+        if needed > len(self.block_pool.free_block_queue):
+            return None
+        new: list[KVCacheBlock] = []
+        for group, h in zip(self.groups, hits, strict=True):
+            new += group._allocate(req, num_new_tokens, h)
+        return new
+
+    def free(self, req: RequestLike | str) -> None:
+        for group in self.groups:
+            group.free(req)
+
+    def trim(self, req: RequestLike) -> int:
+        return sum(group.trim(req) for group in self.groups)
+
+    def uncache_unwritten(self, request_id: str, num_written_tokens: int) -> None:
+        for group in self.groups:
+            group.uncache_unwritten(request_id, num_written_tokens)
+
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        return self.groups[0].get_block_ids(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The tables of the groups after the first, in group order."""
+        return tuple(group.get_block_ids(request_id) for group in self.groups[1:])
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return [b for group in self.groups for b in group.get_blocks(request_id)]
+
+    def block_counts(self) -> BlockCounts:
+        return self.block_pool.block_counts()
+
+    def group_blocks_in_use(self) -> list[int]:
+        """Blocks the running requests hold in each group (the dashboard's per-group view)."""
+        return [sum(len(t) for t, _ in group.held_tables()) for group in self.groups]
+
+    def snapshot(self, max_prefixes: int = 10) -> PoolSnapshot:
+        tables = [t for group in self.groups for t in group.held_tables()]
+        return take_snapshot(self.block_pool, tables, max_prefixes)
+
+    def pin(self, token_ids: list[int], extra_keys: tuple = ()) -> int:
+        raise ValueError("pinning a prefix is not supported for hybrid models yet")
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.block_pool.check_invariants()
+        holders = [0] * self.block_pool.num_blocks
+        for group in self.groups:
+            for block_id, n in enumerate(group.count_holders()):
+                holders[block_id] += n
+        check_ref_counts(self.block_pool, holders)
