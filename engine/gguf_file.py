@@ -50,10 +50,12 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ArrayInfo:
-    """A metadata array, skipped unread: its element type and length."""
+    """A metadata array, skipped unread: its element type, length and where its first
+    element starts (`GGUFFile.read_array` reads it, already checked against the file)."""
 
     type: int
     count: int
+    offset: int = 0
 
 
 class _Cursor:
@@ -126,6 +128,24 @@ class GGUFFile:
     def array(self, info: TensorInfo) -> np.ndarray:
         return self.data[info.offset : info.offset + info.nbytes]
 
+    def read_array(self, key: str) -> list[str] | np.ndarray | None:
+        """Metadata array ``key`` read in full (None if the file has no such array): a list
+        of str for strings (UTF-8, repaired), a numpy array of the scalars otherwise.
+        Construction checked every length against the file, so this reads within it."""
+        info = self.metadata.get(key)
+        if not isinstance(info, ArrayInfo):
+            return None
+        if info.type != _STRING:
+            dtype = np.dtype("<" + _SCALARS[info.type]) if info.type != 7 else np.dtype(bool)
+            end = info.offset + info.count * dtype.itemsize
+            return np.frombuffer(self.data[info.offset : end], dtype=dtype)
+        data, pos, values = memoryview(self.data), info.offset, []
+        for _ in range(info.count):
+            (length,) = _U64.unpack_from(data, pos)
+            values.append(bytes(data[pos + 8 : pos + 8 + length]).decode("utf-8", "replace"))
+            pos += 8 + length
+        return values
+
 
 def _count(cursor: _Cursor, count: int, min_bytes: int, what: str) -> int:
     room = (cursor.size - cursor.pos) // min_bytes
@@ -159,6 +179,7 @@ def _value(cursor: _Cursor, vtype: int, key: str) -> object:
             f"metadata key {key!r} has value type {vtype}, which GGUF does not define"
         )
     etype, count = cursor.unpack("<IQ", f"the array header of metadata key {key!r}")
+    start = cursor.pos
     if etype in _SCALARS:
         size = struct.calcsize(_SCALARS[etype])
         cursor.need(count * size, what)  # a Python product: it cannot wrap
@@ -167,7 +188,7 @@ def _value(cursor: _Cursor, vtype: int, key: str) -> object:
         _skip_strings(cursor, _count(cursor, count, 8, f"the array of metadata key {key!r}"), key)
     else:  # llama.cpp's reader takes no nested arrays either
         raise cursor.fail(f"metadata key {key!r} is an array of type {etype}: not supported")
-    return ArrayInfo(etype, count)
+    return ArrayInfo(etype, count, start)
 
 
 _U64 = struct.Struct("<Q")

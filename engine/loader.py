@@ -8,11 +8,12 @@ A model is named in one of three ways:
 - a path to a `.gguf` file.
 
 A GGUF's weights are read in place, memory-mapped, every start (`engine.gguf_weights`);
-only its config and tokenizer, which transformers builds from the file's metadata in a
-few seconds, are written once into a small directory of the cache (keyed by the file's
-path, size, modification time and first bytes) that then stands for the model like any
-Hugging Face directory: its `SOURCE_FILE` points at the GGUF. Nothing here ever
-downloads: every transformers call is local only.
+only its config, tokenizer and chat template, which `engine.gguf_config` and
+`engine.gguf_tokenizer` build from the file's metadata (no transformers), are written once
+into a small directory of the cache (keyed by the file's path, size, modification time
+and first bytes) that then stands for the model like any Hugging Face directory: its
+`SOURCE_FILE` points at the GGUF. Nothing here ever downloads: every transformers call
+(a Hugging Face directory's tokenizer, the reference model) is local only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from engine.default_model import (  # noqa: F401 (the loader's names for them, too)
     DEFAULT_GGUF_FILE,
@@ -41,7 +41,10 @@ from engine.default_model import (  # noqa: F401 (the loader's names for them, t
     DEFAULT_MODEL_WHEEL,
 )
 from engine.errors import ModelFileError
+from engine.gguf_config import generation_config, gguf_config
+from engine.gguf_fast_tokenizer import FastTokenizer
 from engine.gguf_file import GGUFFile
+from engine.gguf_tokenizer import gguf_tokenizer, tokenizer_config
 from engine.gguf_weights import hf_name, read_tensors
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config
@@ -58,6 +61,9 @@ _TMP_PREFIX = ".tmp-"
 # A conversion takes seconds: a temporary directory a day old is stale whoever owns its PID.
 STALE_TMP_AGE_S = 24 * 3600
 _HASH_CHUNK = 1 << 22
+# Part of every cache key: a new version of what a conversion writes is written afresh
+# (2: config and tokenizer from the file's metadata by engine.gguf_*, not transformers).
+_CONVERSION_VERSION = 2
 
 
 # -- where things are -------------------------------------------------------------------
@@ -126,7 +132,8 @@ def gguf_fingerprint(path: Path) -> str:
     """A cache key for a GGUF's content, cheap for an 8 GB file: its path, size and
     modification time (any rewrite changes them) and its first 4 MiB (the metadata)."""
     stat = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}"
+    digest = hashlib.sha256(key.encode())
     with open(path, "rb") as f:
         digest.update(f.read(_HASH_CHUNK))
     return digest.hexdigest()
@@ -198,80 +205,21 @@ def load_reference_model(model_dir: str | os.PathLike, dtype):
 
 
 def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
-    """config.json, generation_config.json and the tokenizer files, from the GGUF's
-    metadata through transformers (which reads no tensor for them)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    table = GGUFFile(gguf_path)  # its header and tensor table, before transformers reads it
-    folder, name = str(gguf_path.parent), gguf_path.name
-    bar = tqdm(total=2, desc=f"Reading {name}'s config and tokenizer once", unit="step")
-    with bar, _fast_gguf_config(), _as_model_file_error(gguf_path, "its config or tokenizer"):
-        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        if not getattr(config, "architectures", None):
-            config.architectures = [
-                ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type, config.model_type)
-            ]
-        check_config(config, gguf_shapes(table), gguf_path)  # refused before it is cached
-        config.save_pretrained(str(out_dir))
-        GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-        bar.update()
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        tokenizer.save_pretrained(str(out_dir))
-        bar.update()
+    """config.json, generation_config.json, the tokenizer files and the chat template,
+    from the GGUF's metadata (`engine.gguf_config`, `engine.gguf_tokenizer`; no
+    transformers, no tensor read)."""
+    table = GGUFFile(gguf_path)
+    with _as_model_file_error(gguf_path, "its config or tokenizer"):
+        config = gguf_config(table)
+        check_config(ModelConfig(**config), gguf_shapes(table), gguf_path)  # refused, not cached
+        tokenizer = FastTokenizer(gguf_tokenizer(table), tokenizer_config(table))
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", generation_config(config))
+    tokenizer.save_pretrained(out_dir)
 
 
-# The architectures whose config `_gguf_config` builds (the ones `engine.models` serves).
-_FAST_CONFIG_ARCHITECTURES = ("llama", "qwen2")
-
-
-def _gguf_config(path: str) -> dict[str, Any] | None:
-    """A llama/qwen2 GGUF's config dict as transformers' legacy reader builds it (same
-    keys renamed the same way), from its fast metadata reader, which leaves the
-    vocabulary's arrays unread; None for any other file (the legacy reader then)."""
-    from transformers.integrations.gguf import read_gguf_metadata
-    from transformers.modeling_gguf_pytorch_utils import (
-        GGUF_CONFIG_DEFAULTS_MAPPING,
-        GGUF_TO_TRANSFORMERS_MAPPING,
-    )
-
-    metadata, tensor_names = read_gguf_metadata(path)
-    architecture = metadata["general.architecture"]
-    # The legacy reader renames a llama file whose general.name is "mistral".
-    if architecture not in _FAST_CONFIG_ARCHITECTURES or metadata.get("general.name") == "mistral":
-        return None
-    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
-    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}).items():
-        config.setdefault(key, value)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
-    for key, value in metadata.items():
-        prefix, _, rest = key.partition(".")
-        name = renames.get(prefix, {}).get(rest)
-        if name is not None and name != -1:
-            config[name] = value
-    return config
-
-
-@contextlib.contextmanager
-def _fast_gguf_config() -> Iterator[None]:
-    """transformers builds a llama/qwen2 GGUF's config with its legacy reader (the gguf
-    package's GGUFReader, an object per vocabulary entry: 6 s for SmolLM2's 49,152 tokens
-    on a 2-core machine) in AutoConfig, and again inside AutoTokenizer to pick the
-    tokenizer class. Within this block both get `_gguf_config`'s (0.03 s)."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    legacy = gguf_utils.load_gguf_checkpoint
-
-    def read(path, return_tensors=False, *args, **kwargs):
-        config = None if return_tensors or args or kwargs else _gguf_config(str(path))
-        return (
-            legacy(path, return_tensors, *args, **kwargs) if config is None else {"config": config}
-        )
-
-    gguf_utils.load_gguf_checkpoint = read
-    try:
-        yield
-    finally:
-        gguf_utils.load_gguf_checkpoint = legacy
+def _write_json(file: Path, data: dict[str, Any]) -> None:
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -377,9 +325,12 @@ def load_tokenizer(path: str | os.PathLike):
     tokenizer_config.json names the class, the choice needs only config.json's model_type,
     so `AutoTokenizer` is handed the config this module reads rather than loading
     transformers' own, whose import is most of a warm start (engine/model_config.py)."""
+    path = Path(path)
+    if source_gguf(path) is not None:  # a GGUF's directory: written by engine.gguf_tokenizer
+        with _as_model_file_error(path, "its tokenizer"):
+            return FastTokenizer.from_pretrained(path)
     from transformers import AutoTokenizer
 
-    path = Path(path)
     config = None
     if _read_json(path / "tokenizer_config.json").get("tokenizer_class"):
         with contextlib.suppress(ModelFileError):  # then AutoTokenizer reads it itself

@@ -374,11 +374,18 @@ def test_gguf_weights_equal_the_gguf_loaded_by_transformers():
     assert tokenizer.chat_template == default_tokenizer().chat_template
 
 
-def test_the_gguf_config_read_at_conversion_is_transformers_legacy_one():
-    # A first start builds a llama/qwen2 GGUF's config from transformers' fast metadata
-    # reader (seconds less than its legacy GGUFReader pass): the same dict, key for key.
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def test_the_gguf_config_written_at_conversion_is_transformers_legacy_one():
+    # A first start builds the config from the file's metadata (engine.gguf_config), not
+    # through transformers' GGUF reader: the same values in every field the engine reads.
+    from transformers import AutoConfig
 
-    path = str(default_gguf_path())
-    legacy = load_gguf_checkpoint(path, return_tensors=False)["config"]
-    assert loader._gguf_config(path) == legacy and legacy["model_type"] == "llama"
+    from engine.model_config import FIELD_TYPES
+
+    gguf = default_gguf_path()
+    reference = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    config = load_hf_config(default_model_dir())
+    for field in FIELD_TYPES:  # (rope_scaling: transformers 5's alias of rope_parameters)
+        if field not in ("architectures", "rope_scaling") and hasattr(reference, field):
+            assert getattr(config, field, None) == getattr(reference, field), field
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)  # fmt: skip

@@ -1,0 +1,227 @@
+"""A GGUF's config.json and generation_config.json, from the file's own metadata.
+
+llama.cpp's converter (`convert_hf_to_gguf.py`) writes a model's shape under its own key
+names (`{arch}.block_count`, `{arch}.attention.head_count`, ...) and leaves out what its
+loader hard-codes per architecture (Gemma 3's sliding-window pattern and local rope base,
+SmolLM3's layers without rope). This module reverses it into the dict transformers' config
+class of the family holds (the field names and values `engine/model_config.py` reads), for
+the architectures llama.cpp writes as `llama` (Llama, Mistral, SmolLM2), `qwen2`, `qwen3`,
+`gemma3`, `smollm3` and `phi3`; no transformers import, no tensor read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import ModelFileError
+from engine.gguf_file import ArrayInfo, GGUFFile
+
+# llama.cpp's architecture -> (transformers' model_type, its CausalLM class).
+MODEL_TYPES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+}
+# llama.cpp's loader: every 6th Gemma 3 layer is global, the others slide, at base 10,000
+# (llama-model.cpp, `set_swa_pattern(6)`, `rope_freq_base_train_swa`); every 4th SmolLM3
+# layer has no rope (`n_no_rope_layer_step = 4`).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+SMOLLM3_NO_ROPE_INTERVAL = 4
+_ROPE_SCALING_TYPES = ("linear", "yarn", "longrope")
+
+
+class _Keys:
+    """The metadata of one architecture: ``need("block_count")`` or ``get(...)``."""
+
+    def __init__(self, gguf: GGUFFile, arch: str) -> None:
+        self.gguf, self.arch = gguf, arch
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.gguf.metadata.get(f"{self.arch}.{name}", default)
+        return default if isinstance(value, ArrayInfo) else value
+
+    def need(self, name: str) -> Any:
+        value = self.get(name)
+        if value is None:
+            raise ModelFileError(f"{self.gguf.path}: metadata key {self.arch}.{name} is missing")
+        return value
+
+
+def gguf_architecture(gguf: GGUFFile) -> str:
+    """llama.cpp's architecture name, with a llama file named "mistral" as transformers
+    reads it (llama.cpp writes Mistral as `llama`)."""
+    arch = gguf.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{gguf.path}: metadata key general.architecture is missing")
+    if arch == "llama" and gguf.metadata.get("general.name") == "mistral":
+        return "mistral"
+    return arch
+
+
+def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """The config.json dict of the model in ``gguf``; `ModelFileError` for an architecture
+    this module does not know or a required key the file lacks."""
+    arch = gguf_architecture(gguf)
+    if arch not in MODEL_TYPES:
+        raise ModelFileError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(sorted(MODEL_TYPES))})"
+        )
+    keys = _Keys(gguf, "llama" if arch == "mistral" else arch)
+    tensors = {t.name for t in gguf.tensors}
+    model_type, architecture = MODEL_TYPES[arch]
+    heads = keys.need("attention.head_count")
+    hidden = keys.need("embedding_length")
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": _vocab_size(gguf, keys),
+        "hidden_size": hidden,
+        "intermediate_size": keys.need("feed_forward_length"),
+        "num_hidden_layers": keys.need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": keys.get("attention.head_count_kv", heads),
+        "max_position_embeddings": keys.need("context_length"),
+        "rms_norm_eps": keys.need("attention.layer_norm_rms_epsilon"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "rope_parameters": _rope_parameters(keys),
+        **_token_ids(gguf),
+    }
+    head_dim = keys.get("attention.key_length") or keys.get("rope.dimension_count")
+    if head_dim is not None and arch not in ("qwen2", "phi3"):
+        config["head_dim"] = head_dim
+    _FAMILY.get(arch, _plain)(config, keys, tensors)
+    return config
+
+
+def _plain(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    config["hidden_act"] = "silu"
+    if config["model_type"] in ("llama", "mistral", "qwen3", "smollm3"):
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if config["model_type"] in ("llama", "smollm3"):
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    window = keys.get("attention.sliding_window")
+    if config["model_type"] in ("qwen2", "qwen3", "smollm3"):
+        config["use_sliding_window"] = False  # llama.cpp serves them without a window
+        config["sliding_window"] = None
+    elif config["model_type"] == "mistral":
+        config["sliding_window"] = window or None
+
+
+def _qwen3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    _plain(config, keys, tensors)
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    config["max_window_layers"] = config["num_hidden_layers"]
+
+
+def _smollm3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    _qwen3(config, keys, tensors)
+    del config["max_window_layers"]
+    interval = SMOLLM3_NO_ROPE_INTERVAL
+    config["no_rope_layer_interval"] = interval
+    # transformers' SmolLM3Config: 1 where the layer uses rope, 0 on every 4th
+    config["no_rope_layers"] = [int((i + 1) % interval != 0)
+                                for i in range(config["num_hidden_layers"])]  # fmt: skip
+
+
+def _gemma3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    layers = config["num_hidden_layers"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["attention_bias"] = False
+    config.setdefault("head_dim", 256)  # the converter's default, as transformers'
+    # llama.cpp (gemma_pytorch's config): 1/sqrt(head_dim), but hidden/heads on the 27B
+    scalar = config["head_dim"]
+    if layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = scalar
+    window = keys.get("attention.sliding_window")
+    global_rope = config["rope_parameters"]
+    if window:
+        config["sliding_window"] = window
+        config["layer_types"] = [
+            "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+        local_base = keys.get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
+        config["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(local_base)},
+            "full_attention": global_rope,
+        }
+    else:  # no window in the file: every layer global (llama.cpp's LLAMA_SWA_TYPE_NONE)
+        config["sliding_window"] = None
+        config["layer_types"] = ["full_attention"] * layers
+        config["rope_parameters"] = {"full_attention": global_rope}
+    config["final_logit_softcapping"] = keys.get("final_logit_softcapping")
+    config["attn_logit_softcapping"] = None
+
+
+def _phi3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    config["hidden_act"] = "silu"
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rotary = keys.get("rope.dimension_count", head_dim)
+    config["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
+    original = keys.get("rope.scaling.original_context_length")
+    config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
+    config["sliding_window"] = keys.get("attention.sliding_window") or None
+
+
+_FAMILY: dict[str, Callable[[dict[str, Any], _Keys, set[str]], None]] = {
+    "qwen3": _qwen3, "smollm3": _smollm3, "gemma3": _gemma3, "phi3": _phi3,
+}  # fmt: skip
+
+
+def _vocab_size(gguf: GGUFFile, keys: _Keys) -> int:
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, ArrayInfo):
+        return tokens.count
+    size = keys.get("vocab_size")
+    if size is None:
+        raise ModelFileError(f"{gguf.path}: neither a vocabulary nor {keys.arch}.vocab_size")
+    return size
+
+
+def _rope_parameters(keys: _Keys) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` from `{arch}.rope.freq_base` and `.rope.scaling.*`
+    (llama 3's frequency factors are a tensor, `rope_freqs.weight`, that transformers'
+    own GGUF reader leaves out too: default rope, as before)."""
+    rope: dict[str, Any] = {"rope_theta": float(keys.get("rope.freq_base", 10000.0)),
+                            "rope_type": "default"}  # fmt: skip
+    kind = keys.get("rope.scaling.type")
+    factor = keys.get("rope.scaling.factor")
+    if kind in _ROPE_SCALING_TYPES and (factor or kind == "longrope"):
+        rope["rope_type"] = kind
+        if factor:
+            rope["factor"] = float(factor)
+        original = keys.get("rope.scaling.original_context_length")
+        if kind == "yarn" and original:
+            rope["original_max_position_embeddings"] = original
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_ext_factor", "extrapolation_factor"),
+                          ("yarn_attn_factor", "attention_factor"),
+                          ("attn_factor", "attention_factor")):  # fmt: skip
+            value = keys.get(f"rope.scaling.{key}")
+            if value is not None:
+                rope[name] = float(value)
+    return rope
+
+
+def _token_ids(gguf: GGUFFile) -> dict[str, int | None]:
+    get = gguf.metadata.get
+    return {"bos_token_id": get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": get("tokenizer.ggml.padding_token_id"),
+            "unk_token_id": get("tokenizer.ggml.unknown_token_id")}  # fmt: skip
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json as transformers' `GenerationConfig.from_model_config` writes
+    it from this config: its token ids (the eos that ends generation among them)."""
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {"_from_model_config": True,
+            **{name: config[name] for name in ids if config.get(name) is not None}}  # fmt: skip
