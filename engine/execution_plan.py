@@ -28,6 +28,7 @@ from engine import kernels
 from engine.attention.registry import DEFAULT_BACKEND, backend_class, cpu_paged_fits
 from engine.config import DTYPES
 from engine.device import gpu_has_bf16, is_cpu, is_cuda
+from engine.models.registry import get_model_class
 
 # CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
 # tiles); without them torch emulates bf16 and float32 is faster. With them bf16 halves
@@ -63,14 +64,18 @@ class ModelShape(NamedTuple):
     num_kv_heads: int
     head_dim: int
     silu: bool  # the MLP's activation is silu (what the fused ops compute)
+    # Why the native layer ops (Llama's norms and full-width rotary) cannot compute the
+    # model's layer, and why the native decode stack (Llama's whole layer) cannot run it;
+    # None: they can (`Architecture.layer_ops_misfit`, `decode_stack_misfit`).
+    layer_ops_misfit: str | None = None
+    decode_stack_misfit: str | None = None
 
     @classmethod
     def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        silu = getattr(hf_config, "hidden_act", "silu") == "silu"
-        return cls(heads // tp_size, max(kv_heads // tp_size, 1), head_dim, silu)
+        arch = get_model_class(hf_config).architecture(hf_config)
+        heads, kv_heads = arch.num_heads, arch.num_kv_heads
+        return cls(heads // tp_size, max(kv_heads // tp_size, 1), arch.head_dim,
+                   arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class ExecutionPlan:
     cuda_graphs_off: str | None  # why decode steps run eagerly; None: they replay graphs
     decode_stack_rows: int = 0  # set by `with_weights`: 0 where a projection has no kernel
     weights: str = ""  # set by `with_weights`: each weight group's format
+    # Where the model's layer is not Llama's: what it kept from the native paths, and why
+    # (e.g. "no decode stack: q/k norms"); "" where nothing.
+    model_layer: str = ""
 
     def layer_kernels(self) -> ModuleType | None:
         """The native module whose layer ops serve the model, or None (torch's ops)."""
@@ -115,6 +123,8 @@ class ExecutionPlan:
             parts.append(f"torch's layer ops (${kernels.SWITCH}={self.kernels_switch})")
         if self.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
+        if self.model_layer:
+            parts.append(self.model_layer)
         if self.weights:
             parts.append(f"weights: {self.weights}")
         if is_cuda(self.device):
@@ -146,10 +156,18 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
     quantization = resolve_quantization(config, device, dtype, gguf)
     if tp > 1 and quantization.layers:
         raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
-    layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp,
-                           config.kv_cache_dtype == "int8")  # fmt: skip
+    kv_int8 = config.kv_cache_dtype == "int8"
+    layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp, kv_int8)
     attention = resolve_attention(config, device, dtype, quantization.layers, shape)
     graphs_off = graphs_off_reason(device, config.enforce_eager, attention, tp)
+    stack = layer_ops not in (TORCH_OPS, TRITON_OPS) and attention == "cpu-paged"
+    llama_layer = shape._replace(silu=True, layer_ops_misfit=None, decode_stack_misfit=None)
+    model_layer = ""
+    if shape.layer_ops_misfit and _layer_ops(dtype, device, quantization.layers, llama_layer,
+                                             tp, kv_int8) != TORCH_OPS:  # fmt: skip
+        model_layer = f"torch's layer ops ({shape.layer_ops_misfit})"
+    elif shape.decode_stack_misfit and stack:
+        model_layer = f"no decode stack ({shape.decode_stack_misfit})"
     return ExecutionPlan(
         device=device,
         dtype=dtype,
@@ -157,8 +175,9 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         attention=attention,
         layer_ops=layer_ops,
         kernels_switch=kernels.switch(),
-        decode_stack=layer_ops != TORCH_OPS and attention == "cpu-paged",
+        decode_stack=stack and shape.decode_stack_misfit is None,
         cuda_graphs_off=graphs_off,
+        model_layer=model_layer,
     )
 
 
@@ -249,9 +268,10 @@ def _layer_ops(
     keeps torch's, transformers' arithmetic; the KV write stays the attention backend's);
     on CPU bf16 on AVX512-BF16, float32 where a GGUF's blocks serve the projections; torch's
     where none applies, under tensor parallelism (one process's whole layers only), for an
-    activation other than silu, and for bf16 over an int8 KV cache (the bf16 kernels write
-    bf16 rows only; the float32 ones write int8)."""
-    if not shape.silu or shape.head_dim % 2 or tp > 1:
+    activation other than silu, for a layer the fused ops do not compute (`ModelShape`'s
+    `layer_ops_misfit`), and for bf16 over an int8 KV cache (the bf16 kernels write bf16
+    rows only; the float32 ones write int8)."""
+    if not shape.silu or shape.head_dim % 2 or tp > 1 or shape.layer_ops_misfit:
         return TORCH_OPS
     if is_cuda(device):
         fits = dtype != torch.float32 and triton_applies(device, kv_int8)

@@ -58,9 +58,17 @@ def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str
     q, kv = heads * head_dim, kv_heads * head_dim
     sizes = ((q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (ffn, hidden), (ffn, hidden),
              (hidden, ffn))  # fmt: skip
+    fused = {"self_attn.qkv_proj": (q + 2 * kv, hidden), "mlp.gate_up_proj": (2 * ffn, hidden)}
     for layer in range(layers):
         for projection, size in zip(_PROJECTIONS, sizes, strict=True):
             expected[f"model.layers.{layer}.{projection}.weight"] = size
+        for projection, size in fused.items():  # a checkpoint that stores them fused (Phi-3)
+            name = f"model.layers.{layer}.{projection}.weight"
+            if name in shapes:
+                parts = _PROJECTIONS[:3] if projection.startswith("self_attn") else _PROJECTIONS[4:6]
+                for part in parts:
+                    del expected[f"model.layers.{layer}.{part}.weight"]
+                expected[name] = size
     for name, size in expected.items():
         if shapes.get(name) != size:
             raise fail(f"{name} is {_shape(shapes.get(name))}, the config needs {list(size)}")

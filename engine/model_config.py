@@ -44,11 +44,24 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "partial_rotary_factor": _NUMBER,
     "sliding_window": (*_INT, *_NONE),
     "use_sliding_window": (bool,),
+    "layer_types": (list, *_NONE),
+    "max_window_layers": _INT,
+    "hidden_activation": (str,),
+    "query_pre_attn_scalar": _NUMBER,
+    "final_logit_softcapping": (*_NUMBER, *_NONE),
+    "attn_logit_softcapping": (*_NUMBER, *_NONE),
+    "use_bidirectional_attention": (bool, *_NONE),
+    "rope_local_base_freq": _NUMBER,
+    "sliding_window_pattern": _INT,
+    "no_rope_layers": (list, *_NONE),
+    "no_rope_layer_interval": _INT,
+    "original_max_position_embeddings": _INT,
 }
 
 _SHARED = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
            "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
            "rope_parameters": None}  # fmt: skip
+_NO_ACT = {k: v for k, v in _SHARED.items() if k != "hidden_act"}  # (Gemma: hidden_activation)
 
 # transformers' defaults (its config classes' __init__ arguments) for the fields above,
 # per model_type; a field a class does not take is absent, as it is from its object.
@@ -58,11 +71,44 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "attention_bias": False, "mlp_bias": False},
     "qwen2": {**_SHARED, "vocab_size": 151936, "intermediate_size": 22016,
               "num_key_value_heads": 32, "max_position_embeddings": 32768,
-              "sliding_window": 4096, "use_sliding_window": False},
+              "sliding_window": 4096, "use_sliding_window": False, "layer_types": None,
+              "max_window_layers": 28},
     "mistral": {**_SHARED, "vocab_size": 32000, "intermediate_size": 14336,
                 "num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
                 "sliding_window": 4096},
+    "qwen3": {**_SHARED, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
+              "attention_bias": False, "sliding_window": 4096, "use_sliding_window": False,
+              "layer_types": None, "max_window_layers": 28},
+    "gemma3_text": {**_NO_ACT, "vocab_size": 262208, "hidden_size": 2304,
+                    "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True, "attention_bias": False, "sliding_window": 4096,
+                    "layer_types": None, "query_pre_attn_scalar": 256,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                    "use_bidirectional_attention": False},
+    "smollm3": {**_SHARED, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+                "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                "attention_bias": False, "mlp_bias": False, "sliding_window": None,
+                "use_sliding_window": False, "layer_types": None, "no_rope_layers": None,
+                "no_rope_layer_interval": 4},
+    "phi3": {**_SHARED, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+             "num_key_value_heads": None, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "sliding_window": None, "original_max_position_embeddings": 4096},
 }  # fmt: skip
+
+# The rope base a config that names none gets: transformers' class attribute `default_theta`
+# where a class sets its own (Gemma 3: one for full layers, one for sliding ones).
+DEFAULT_ROPE_THETA: dict[str, Any] = {
+    "smollm3": 2_000_000.0, "gemma3_text": {"global": 1_000_000.0, "local": 10_000.0},
+}  # fmt: skip
+
+
+def default_rope_theta(config: Any) -> Any:
+    """The rope base of ``config``'s model_type when the config names none."""
+    return DEFAULT_ROPE_THETA.get(getattr(config, "model_type", None), 10_000.0)
 
 
 class ModelConfig(SimpleNamespace):

@@ -1,6 +1,6 @@
 """A decoder-only causal LM over flat token batches and a paged KV cache, assembled from the
 shared blocks (engine/models/layers.py): the embedding, the decoder layers, the final norm
-and the LM head. A model file (llama.py, qwen2.py, mistral.py) states only its
+and the LM head. A model file (llama.py, qwen3.py, gemma3.py, ...) states only its
 `Architecture`, read from its config (engine/model_config.py, or transformers' own).
 
 How it computes comes from the `ExecutionPlan`: its dtype, device, weight formats,
@@ -8,9 +8,10 @@ attention backend and layer ops. It has one forward; whether a step runs it or t
 decode stack, or replays it in a CUDA graph, is the model runner's choice.
 
 Not supported (documented, the model runner must respect it): positions past the rotary
-table (see engine/models/rotary.py), and sliding-window attention (attention is always full,
-so outputs are exact only for sequences up to the model's `sliding_window`; the engine caps
-the context there).
+table (see engine/models/rotary.py). Each layer's `Attention.sliding_window` says whether it
+attends over a window (`Architecture.layer_types`); where the attention backend does not
+apply it, outputs are exact only for sequences up to the model's `sliding_window` (the
+engine caps the context there).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from engine.distributed import TensorParallel
 from engine.execution_plan import TRITON_OPS, ExecutionPlan, manual_plan
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import ggml_kernels
-from engine.models.layer_ops import TorchOps, activation
+from engine.models.layer_ops import TorchOps, activation, rms_norm, rms_norm_plus_one
 from engine.models.layers import Architecture, DecoderLayer, _param
 from engine.models.linear import kernel_for, project
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import rope_tables
 from engine.models.weight_loading import load_weights
+from kv_cache.groups import kv_cache_groups, layer_slots
 
 
 class DecoderForCausalLM(nn.Module):
@@ -47,6 +49,17 @@ class DecoderForCausalLM(nn.Module):
     def sliding_window(cls, hf_config: Any) -> int | None:
         """The attention window the config asks for, or None (full attention)."""
         return getattr(hf_config, "sliding_window", None)
+
+    @classmethod
+    def layer_windows(cls, hf_config: Any) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), which sorts the layers into
+        KV cache groups (kv_cache/groups.py): `Architecture.layer_types` where the family
+        states them, else the model's `sliding_window` on every layer (Mistral v0.1)."""
+        arch = cls.architecture(hf_config)
+        if arch.layer_types:
+            return [arch.sliding_window if t == "sliding_attention" else None
+                    for t in arch.layer_types]  # fmt: skip
+        return [cls.sliding_window(hf_config)] * arch.num_layers
 
     def __init__(
         self,
@@ -67,16 +80,29 @@ class DecoderForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
         self.max_position_embeddings = max_model_len or hf_config.max_position_embeddings
         # One backend object for all layers: the runner prepares it once per step.
-        self.attn_backend = get_attention_backend(plan.attention, arch.num_heads, arch.num_kv_heads)
+        # A backend per KV cache group (one, unless sliding-window and full layers mix): each
+        # plans the step over its group's tables, with its group's window; the runner
+        # prepares each once per step (`prepare_attention`).
+        groups = kv_cache_groups(self.layer_windows(hf_config))
+        self.attn_backends = [
+            get_attention_backend(plan.attention, arch.num_heads, arch.num_kv_heads, g.window)
+            for g in groups
+        ]
+        for index, backend in enumerate(self.attn_backends):
+            backend.kv_group = index
+        self.attn_backend = self.attn_backends[0]
+        group_of = [group for group, _ in layer_slots(groups, arch.num_layers)]
         # The layers' small ops: a native build or Triton's where the plan says so, else torch's.
+        norm = rms_norm_plus_one if arch.norm_plus_one else rms_norm
         self.ops: Any = plan.layer_kernels() or _torch_or_triton_ops(plan)(
-            self.attn_backend, activation(arch.act)
+            self.attn_backend, activation(arch.act), norm
         )
         kw = {"dtype": self.dtype, "device": self.device}
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, self.attn_backend, tp, quantization=self.quantization, **kw)
-            for _ in range(arch.num_layers)
+            DecoderLayer(arch, self.attn_backends[group_of[i]], tp,
+                         quantization=self.quantization, index=i, **kw)  # fmt: skip
+            for i in range(arch.num_layers)
         )
         self.norm = _param(arch.hidden_size, **kw)
         # Under tensor parallelism each rank's head holds its share of the vocabulary.
@@ -88,8 +114,12 @@ class DecoderForCausalLM(nn.Module):
         self.embed_blocks: GGUFTensor | None = None
         self.head_blocks: GGUFTensor | None = None
         self.head_ggml: tuple[list[torch.Tensor], list[int]] | None = None  # set by pack
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, self.max_position_embeddings,
-                                      self.dtype, self.device)  # fmt: skip
+        # One table per rotary kind the layers use (engine/models/rotary.py); `rotary` is
+        # the first layer's (the only one where the native decode stack runs).
+        kinds = {arch.rope_of(i) for i in range(arch.num_layers)}
+        self.rope_tables = rope_tables(hf_config, kinds, arch.head_dim,
+                                       self.max_position_embeddings, self.dtype, self.device)
+        self.rotary = self.rope_tables[arch.rope_of(0)]
 
     def forward(
         self,
@@ -104,35 +134,48 @@ class DecoderForCausalLM(nn.Module):
         """
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
-        ops = self.ops
-        cos, sin = self.rotary.lookup(positions)
+        ops, arch = self.ops, self.arch
+        tables = {kind: table.lookup(positions) for kind, table in self.rope_tables.items()}
         hidden, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            cos, sin = tables[arch.rope_of(i)]
             hidden, residual = layer(ops, hidden, residual, cos, sin, kv_cache, meta)
         return ops.add_rms_norm(hidden, residual, self.norm, self.arch.eps)[0]
+
+    def prepare_attention(self, meta: AttentionMetadata) -> None:
+        """Plan the step on every KV cache group's backend (before the first layer)."""
+        for group, backend in enumerate(self.attn_backends):
+            backend.prepare(meta.for_group(group))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embedding rows ``[T, H]`` (dequantized per token where kept in
         GGUF blocks)."""
         blocks = self.embed_blocks
         if blocks is None:
-            return F.embedding(input_ids, self.embed_tokens)
-        rows = ggml_kernels().ggml_dequantize(
-            blocks.blocks, int(blocks.type), blocks.shape[1], input_ids
-        )
-        return rows.to(self.dtype)
+            rows = F.embedding(input_ids, self.embed_tokens)
+        else:
+            rows = ggml_kernels().ggml_dequantize(
+                blocks.blocks, int(blocks.type), blocks.shape[1], input_ids
+            ).to(self.dtype)
+        if self.arch.embed_scale is not None:  # (Gemma: sqrt(hidden_size), in the model dtype)
+            scale = torch.tensor(self.arch.embed_scale, device=rows.device)  # float32, then cast
+            rows = rows * scale.to(rows.dtype)
+        return rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""
         if self.head_blocks is not None:
             # float32 in, so float32 out: the logits are not rounded to the model dtype
-            return ggml_kernels().ggml_linear(hidden.float(), *self.head_ggml)
+            return _softcap(ggml_kernels().ggml_linear(hidden.float(), *self.head_ggml),
+                            self.arch.final_logit_softcap)  # fmt: skip
         if self.tp is None:
-            return project(hidden, self.lm_head, kernel=self.head_kernel).float()
+            logits = project(hidden, self.lm_head, kernel=self.head_kernel)
+            return _softcap(logits, self.arch.final_logit_softcap).float()
         rows = self.head_rows
         head = self.lm_head.narrow(0, self.tp.rank * rows, rows) \
             if self.arch.tie_word_embeddings else self.lm_head  # fmt: skip
-        return self.tp.all_gather_last(project(hidden, head).float())
+        logits = self.tp.all_gather_last(project(hidden, head).float())
+        return _softcap(logits, self.arch.final_logit_softcap)
 
     def weight_formats(self) -> str:
         """What each weight group runs as, for the plan: e.g. ``projections Q4_K x134 +
@@ -179,6 +222,11 @@ class DecoderForCausalLM(nn.Module):
         if qtype != int(head.type) and not self.arch.tie_word_embeddings:
             head.release()
         return [blocks], [qtype]
+
+
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma's final soft-capping), in the logits' dtype."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _torch_or_triton_ops(plan: ExecutionPlan) -> type[TorchOps]:

@@ -27,28 +27,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-class TorchOps:
-    """The layer ops in torch, for a model whose backend writes the KV cache (``attn``) and
-    whose MLP activation is ``act``."""
+def rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma RMSNorm: normalise and scale by ``1 + w`` in float32, then cast."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).type_as(x)
 
-    def __init__(self, attn: AttentionBackend, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+
+class TorchOps:
+    """The layer ops in torch, for a model whose backend writes the KV cache (``attn``),
+    whose MLP activation is ``act`` and whose norms are ``norm`` (`rms_norm`, Llama's, or
+    `rms_norm_plus_one`, Gemma's)."""
+
+    def __init__(self, attn: AttentionBackend, act: Callable[[torch.Tensor], torch.Tensor],
+                 norm: Callable[..., torch.Tensor] = rms_norm) -> None:  # fmt: skip
         self.attn = attn
         self.act = act
+        self.norm = norm
 
-    @staticmethod
     def add_rms_norm(
-        delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self, delta: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + delta), residual + delta); the first layer has no residual."""
+        """(norm(residual + delta), residual + delta); the first layer has no residual."""
         residual = delta if residual is None else residual + delta
-        return rms_norm(residual, weight, eps), residual
+        return self.norm(residual, weight, eps), residual
 
     def rope_write_kv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
     ) -> torch.Tensor:  # fmt: skip
-        """Rotate q and k of a fused ``[T, (h + 2 kvh) * d]`` row (cos, sin ``[T, d]``), write
-        k and v to the cache; returns q ``[T, h, d]``."""
+        """Rotate q and k of a fused ``[T, (h + 2 kvh) * d]`` row (cos, sin ``[T, d]``, or
+        ``[T, r]``, r < d: partial rotary), write k and v to the cache; returns q ``[T, h, d]``."""
         h, kvh = num_heads, num_kv_heads
         qkv = qkv.view(qkv.shape[0], h + 2 * kvh, -1)
         qk = apply_rotary(qkv[:, : h + kvh], cos.unsqueeze(1), sin.unsqueeze(1))  # together

@@ -1,6 +1,13 @@
 """The shared blocks a decoder model is assembled from: `Architecture` (its numbers and
-switches), `Attention` (fused QKV, rotary, paged attention, output projection), `GatedMLP`
-(fused gate/up, activation, down) and `DecoderLayer` (pre-norm attention and MLP).
+switches), `Attention` (fused QKV, optional q/k norms, rotary, paged attention, output
+projection), `GatedMLP` (fused gate/up, activation, down) and `DecoderLayer` (pre-norm
+attention and MLP, optionally Gemma's "sandwich" norms around each).
+
+What differs between families is an option of these blocks, an `Architecture` field each
+family file sets once (q/k norms, (1 + w) norms, sandwich norms, per-layer rotary tables,
+partial rotary, the attention scale, embedding scale, logit soft-capping); the defaults are
+Llama's layer, which the native layer ops and decode stack compute (`layer_ops_misfit`,
+`decode_stack_misfit` say why they cannot compute another).
 
 Every layer computes through the op set the execution plan chose (`engine.models.layer_ops`:
 torch's, or a native kernels build): one forward, whichever executes it. Under tensor
@@ -38,6 +45,59 @@ class Architecture:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
+    # One per layer, transformers' names: "full_attention" or "sliding_attention" (then
+    # attending over the last `sliding_window` positions only).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # -- options of the shared blocks; the defaults are Llama's layer --------------------
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before rotary
+    norm_plus_one: bool = False  # every RMSNorm scales by (1 + w), in float32 (Gemma)
+    # Gemma's four norms a layer: on the attention's output, before the MLP and on its output
+    sandwich_norms: bool = False
+    # Each layer's rotary table (engine/models/rotary.py `rope_tables`): "default" (the
+    # config's rope), a layer type whose rope parameters the config gives apart (Gemma 3's
+    # sliding layers' base), or "none" (no rotary: SmolLM3's NoPE layers); (): all "default".
+    layer_rope: tuple[str, ...] = ()
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head; None: all
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None  # the embedding rows times this, in the model dtype
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def rope_of(self, layer: int) -> str:
+        return self.layer_rope[layer] if self.layer_rope else "default"
+
+    def layer_ops_misfit(self) -> str | None:
+        """Why the native layer ops (Llama's norms, full-width rotary, silu) cannot compute
+        this layer, or None. q/k norms and layers without rotary fit: the norms run in
+        torch on the fused QKV before the op, a layer without rotary rotates by angle 0."""
+        reasons = [
+            "(1 + w) norms" if self.norm_plus_one else "",
+            "sandwich norms" if self.sandwich_norms else "",
+            "partial rotary" if self.rotary_dim not in (None, self.head_dim) else "",
+            f"{self.act} MLP" if self.act != "silu" else "",
+        ]
+        return ", ".join(r for r in reasons if r) or None
+
+    def decode_stack_misfit(self) -> str | None:
+        """Why the native decode stack (Llama's whole layer in C++) cannot run this model,
+        or None."""
+        reasons = [
+            self.layer_ops_misfit() or "",
+            "q/k norms" if self.qk_norm else "",
+            "per-layer rotary" if len(set(self.layer_rope) - {"default"}) else "",
+            "attention scale" if self.attn_scale is not None else "",
+            "embedding scale" if self.embed_scale is not None else "",
+        ]
+        return ", ".join(r for r in reasons if r) or None
+
+
+# A layer's norms by transformers' names: Llama's two, or Gemma's four (`sandwich_norms`).
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_SANDWICH_NORMS = (*_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _tensor_kw(kw: dict[str, Any]) -> dict[str, Any]:
+    return {"dtype": kw["dtype"], "device": kw["device"]}
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -58,24 +118,43 @@ class Attention(_Block):
     """Fused QKV projection, rotary on q and k, the paged cache's attention, output projection."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, tp: TensorParallel | None,
-                 **kw: Any) -> None:  # fmt: skip
+                 index: int = 0, **kw: Any) -> None:  # fmt: skip
         super().__init__(tp)
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if arch.attn_scale is None else arch.attn_scale
+        sliding = arch.layer_types and arch.layer_types[index] == "sliding_attention"
+        self.sliding_window = arch.sliding_window if sliding else None  # None: full attention
         self.backend = backend  # shared by all layers: the runner prepares it once per step
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, qkv_rows, arch.qkv_bias, **kw)
         self.o_proj = Linear(self.num_heads * self.head_dim, arch.hidden_size, arch.o_bias, **kw)
+        self.eps = arch.eps
+        self.q_norm = _param(arch.head_dim, **_tensor_kw(kw)) if arch.qk_norm else None
+        self.k_norm = _param(arch.head_dim, **_tensor_kw(kw)) if arch.qk_norm else None
 
     def forward(self, ops: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 ) -> torch.Tensor:  # fmt: skip
         k_cache, v_cache = kv_cache
-        q = ops.rope_write_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping,
+        meta = meta.for_group(self.backend.kv_group)  # this layer's KV cache group's view
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(ops, qkv)
+        q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                               self.num_heads, self.num_kv_heads)  # fmt: skip
         out = self.backend(q, k_cache, v_cache, meta, self.scale)
         return self._reduce(self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim)))
+
+    def _norm_qk(self, ops: Any, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused ``[T, (h + 2 kvh) * d]`` row with each head of q and k normed (v as it
+        is): the norm is the model's (``ops.add_rms_norm`` with no residual)."""
+        t, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = qkv.view(t, h + 2 * kvh, d)
+        q = ops.add_rms_norm(heads[:, :h].reshape(-1, d), None, self.q_norm, self.eps)[0]
+        k = ops.add_rms_norm(heads[:, h : h + kvh].reshape(-1, d), None, self.k_norm, self.eps)[0]
+        v = heads[:, h + kvh :]
+        return torch.cat((q.view(t, h, d), k.view(t, kvh, d), v), dim=1).view(qkv.shape)
 
 
 class GatedMLP(_Block):
@@ -96,13 +175,15 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, the residual add fused into each norm (see layer_ops)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, tp: TensorParallel | None,
-                 dtype: torch.dtype, device: torch.device, quantization: str | None) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device, quantization: str | None,
+                 index: int = 0) -> None:  # fmt: skip
         super().__init__()
         self.eps = arch.eps
         kw = {"dtype": dtype, "device": device}
-        self.input_layernorm = _param(arch.hidden_size, **kw)
-        self.post_attention_layernorm = _param(arch.hidden_size, **kw)
-        self.self_attn = Attention(arch, backend, tp, **kw, quantization=quantization)
+        self.norm_names = _SANDWICH_NORMS if arch.sandwich_norms else _NORMS
+        for name in self.norm_names:
+            setattr(self, name, _param(arch.hidden_size, **kw))
+        self.self_attn = Attention(arch, backend, tp, index, **kw, quantization=quantization)
         self.mlp = GatedMLP(arch, tp, **kw, quantization=quantization)
 
     def linears(self) -> tuple[Linear, ...]:
@@ -117,5 +198,10 @@ class DecoderLayer(nn.Module):
         added); ``cos``/``sin``: ``[T, head_dim]``."""
         x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, self.eps)
         delta = self.self_attn(ops, x, cos, sin, kv_cache, meta)
+        if self.norm_names is _SANDWICH_NORMS:  # each sub-block's output normed, then added
+            norm, eps = ops.add_rms_norm, self.eps
+            delta = norm(delta, None, self.post_attention_layernorm, eps)[0]
+            x, residual = norm(delta, residual, self.pre_feedforward_layernorm, eps)
+            return norm(self.mlp(ops, x), None, self.post_feedforward_layernorm, eps)[0], residual
         x, residual = ops.add_rms_norm(delta, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(ops, x), residual

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Architecture
+from engine.models.rotary import rotary_dim
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -23,13 +24,15 @@ class LlamaForCausalLM(DecoderForCausalLM):
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias, o_bias = cls.attention_biases or (attention_bias, attention_bias)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        layers = hf_config.num_hidden_layers
         return Architecture(
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=layers,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            head_dim=head_dim,
             vocab_size=hf_config.vocab_size,
             eps=hf_config.rms_norm_eps,
             act=getattr(hf_config, "hidden_act", "silu"),
@@ -37,4 +40,13 @@ class LlamaForCausalLM(DecoderForCausalLM):
             o_bias=o_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            layer_types=cls.layer_types(hf_config) or ("full_attention",) * layers,
+            sliding_window=cls.sliding_window(hf_config),
+            rotary_dim=rotary_dim(hf_config, head_dim),
         )
+
+    @classmethod
+    def layer_types(cls, hf_config: Any) -> tuple[str, ...]:
+        """Each layer's kind as transformers names it ("full_attention",
+        "sliding_attention"); (): every layer full."""
+        return ()

@@ -16,6 +16,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "engine.models.llama"),
     "Qwen2ForCausalLM": ("qwen2", "engine.models.qwen2"),
     "MistralForCausalLM": ("mistral", "engine.models.mistral"),
+    "Qwen3ForCausalLM": ("qwen3", "engine.models.qwen3"),
+    "Gemma3ForCausalLM": ("gemma3_text", "engine.models.gemma3"),
+    "SmolLM3ForCausalLM": ("smollm3", "engine.models.smollm3"),
+    "Phi3ForCausalLM": ("phi3", "engine.models.phi3"),
 }
 ARCHITECTURE_BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 

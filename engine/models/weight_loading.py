@@ -32,9 +32,12 @@ _FUSED = {
     ("mlp", "up_proj"): ("gate_up_proj", "up"),
     ("mlp", "down_proj"): ("down_proj", None),
 }
+# Checkpoints that store them fused already (Phi-3): the whole projection, standing for its parts.
+_WHOLE = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+          ("mlp", "gate_up_proj"): ("gate_proj", "up_proj")}  # fmt: skip
+_QK_NORMS = ("q_norm", "k_norm")  # per-head norms of the attention (Qwen3, Gemma 3)
 _TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
         "lm_head.weight": "lm_head"}  # fmt: skip
-_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, Any]]) -> set[str]:
@@ -47,13 +50,13 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, Any]]) 
             continue
         if name == "lm_head.weight" and model.arch.tie_word_embeddings:
             continue  # tied: the embedding matrix is the head
-        target, rows, shard, linear = _route(model, name)
+        target, rows, shards, linear = _route(model, name)
         try:
             _load_tensor(model, name, tensor, target, rows, linear)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         loaded.add(name)
-        filled.add(shard)
+        filled.update(shards)
     missing = sorted(f"{p}[{s}]" if s else p for p, s in _expected_shards(model) - filled)
     if missing:
         raise ValueError(f"weights missing for: {', '.join(missing[:10])}")
@@ -102,11 +105,11 @@ def _rows(model: DecoderForCausalLM, part: str | None) -> tuple[int, int] | None
 
 def _route(
     model: DecoderForCausalLM, name: str
-) -> tuple[torch.Tensor, tuple[int, int] | None, tuple[str, str], Linear | None]:
-    """A transformers name -> (our tensor, (row offset, rows) or None, shard key, the
-    `Linear` whose weight it is, which loads it itself, or None)."""
+) -> tuple[torch.Tensor, tuple[int, int] | None, list[tuple[str, str]], Linear | None]:
+    """A transformers name -> (our tensor, (row offset, rows) or None, the shard keys it
+    fills, the `Linear` whose weight it is, which loads it itself, or None)."""
     if name in _TOP:
-        return getattr(model, _TOP[name]), None, (_TOP[name], ""), None
+        return getattr(model, _TOP[name]), None, [(_TOP[name], "")], None
     parts = name.split(".")
     unexpected = ValueError(f"unexpected weight name {name!r}")
     if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
@@ -116,20 +119,28 @@ def _route(
         raise ValueError(f"unexpected weight name {name!r} (layer {index})")
     layer, prefix = model.layers[index], f"layers.{index}."
     if len(parts) == 5:  # model.layers.N.<norm>.weight
-        if parts[3] not in _NORMS or parts[4] != "weight":
+        if parts[3] not in layer.norm_names or parts[4] != "weight":
             raise unexpected
-        return getattr(layer, parts[3]), None, (prefix + parts[3], ""), None
+        return getattr(layer, parts[3]), None, [(prefix + parts[3], "")], None
     module, proj, kind = parts[3:]
-    if (module, proj) not in _FUSED or kind not in ("weight", "bias"):
+    if module == "self_attn" and proj in _QK_NORMS and kind == "weight":
+        norm = getattr(layer.self_attn, proj)
+        if norm is None:
+            raise ValueError(f"unexpected weight name {name!r} (this config has no q/k norms)")
+        return norm, None, [(prefix + proj, "")], None
+    whole = _WHOLE.get((module, proj))
+    if ((module, proj) not in _FUSED and whole is None) or kind not in ("weight", "bias"):
         raise unexpected
-    ours, part = _FUSED[(module, proj)]
+    ours, part = _FUSED[(module, whole[0])] if whole else _FUSED[(module, proj)]
+    part = None if whole else part
     linear = getattr(getattr(layer, module), ours)
     target = getattr(linear, kind)
     if target is None:
         raise ValueError(f"unexpected weight name {name!r} (this config has no such bias)")
     rows = _rows(model, part)
-    key = (prefix + ours + ("" if kind == "weight" else ".bias"), proj if rows else "")
-    return target, rows, key, linear if kind == "weight" else None
+    key = prefix + ours + ("" if kind == "weight" else ".bias")
+    keys = [(key, p) for p in whole] if whole else [(key, proj if rows else "")]
+    return target, rows, keys, linear if kind == "weight" else None
 
 
 def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -139,6 +150,8 @@ def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> tor
     tp = model.tp
     if tp is None:
         return tensor
+    if any(f".{module}.{proj}." in name for module, proj in _WHOLE):
+        raise ValueError("a checkpoint of fused q/k/v (or gate/up) takes no tensor parallelism")
     column_parallel = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     if any(f".{p}." in name for p in column_parallel) or name == "lm_head.weight":
         return tensor.chunk(tp.size, dim=0)[tp.rank]
@@ -156,7 +169,9 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
         shards.add(("lm_head", ""))
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
-        shards |= {(p + n, "") for n in _NORMS}
+        shards |= {(p + n, "") for n in layer.norm_names}
+        if layer.self_attn.q_norm is not None:
+            shards |= {(p + n, "") for n in _QK_NORMS}
         for (module, proj), (ours, part) in _FUSED.items():
             linear = getattr(getattr(layer, module), ours)
             key = proj if part else ""

@@ -12,19 +12,37 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from engine.errors import ModelFileError
 from engine.execution_plan import ModelShape
 from engine.loader import load_hf_config, load_tokenizer
-from engine.model_config import DEFAULTS, FIELD_TYPES, ModelConfig, read_model_config
+from engine.model_config import (
+    DEFAULT_ROPE_THETA,
+    DEFAULTS,
+    FIELD_TYPES,
+    ModelConfig,
+    read_model_config,
+)
 from engine.models import get_model_class
 from engine.models.rotary import rope_inv_freq
 from engine.resolved_config import context_limit
 from tests.engine.test_llama import _configs
 from tests.engine.tiny_models import default_model_dir
 
-CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config,
+           "phi3": Phi3Config}  # fmt: skip
 # 32 heads: the key/value head counts the classes default to (32, 8) divide it.
 SIZES = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 112,
          "num_hidden_layers": 2, "num_attention_heads": 32}  # fmt: skip
@@ -37,6 +55,12 @@ def test_the_defaults_are_those_of_transformers_classes(model_type):
     assert set(DEFAULTS[model_type]) == taken
     for name, value in DEFAULTS[model_type].items():
         assert parameters[name].default == value, name
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_the_default_rope_base_is_that_of_transformers_classes(model_type):
+    theirs = getattr(CLASSES[model_type], "default_theta", 10_000.0)
+    assert DEFAULT_ROPE_THETA.get(model_type, 10_000.0) == theirs
 
 
 def _written(tmp_path: Path, name: str, data: dict) -> Path:
@@ -62,13 +86,39 @@ def _variants(tmp_path: Path) -> dict[str, Path]:
     variants["llama-legacy-rope"] = _written(tmp_path, "legacy", legacy)
     windowed = {"model_type": "qwen2", **SIZES, "use_sliding_window": True, "sliding_window": 64}
     variants["qwen2-windowed"] = _written(tmp_path, "windowed", windowed)
-    return variants
+    return {**variants, **_family_variants(tmp_path)}
+
+
+def _family_variants(tmp_path: Path) -> dict[str, Path]:
+    """The families of issue 62 as older config.json files write them (the fields
+    transformers' classes convert or derive)."""
+    configs = {
+        "qwen3-windowed": {"model_type": "qwen3", "use_sliding_window": True,
+                           "sliding_window": 64, "max_window_layers": 1},
+        "gemma3-legacy": {"model_type": "gemma3_text", "rope_theta": 500000.0,
+                          "rope_local_base_freq": 20000.0, "sliding_window_pattern": 2,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                          "query_pre_attn_scalar": 144, "final_logit_softcapping": 30.0},
+        "smollm3-nope": {"model_type": "smollm3", "no_rope_layers": [0, 1],
+                         "rope_theta": 5000000.0},
+        "phi4-mini-like": {"model_type": "phi3", "partial_rotary_factor": 0.75,
+                           "max_position_embeddings": 131072,
+                           "original_max_position_embeddings": 4096,
+                           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6,
+                                            "long_factor": [2.0] * 6}},
+    }  # fmt: skip
+    sizes = {**SIZES, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16}  # fmt: skip
+    return {name: _written(tmp_path, name, {**sizes, **config}) for name, config in configs.items()}
 
 
 def _what_the_engine_reads(config) -> tuple:
     cls = get_model_class(config)
     arch = cls.architecture(config)
-    inv_freq, scaling = rope_inv_freq(config, arch.head_dim)
+    kinds = sorted({arch.rope_of(i) for i in range(arch.num_layers)} - {"none"})
+    tables = [rope_inv_freq(config, arch.head_dim, None if k == "default" else k) for k in kinds]
+    inv_freq = torch.cat([t[0] for t in tables])
+    scaling = [t[1] for t in tables]
     return arch, ModelShape.of(config), context_limit(config), inv_freq, scaling
 
 

@@ -42,7 +42,32 @@ ARCH_DEFAULTS = {
     "llama": {},
     "qwen2": {},  # q/k/v projections with bias: a different weight set than llama's
     "mistral": {"sliding_window": None},  # a window larger than the context changes nothing
-}
+    # The families of issue 62 (tests/engine/test_model_families.py); head_dim 16 as above.
+    "qwen3": {"head_dim": 16},  # q/k norms
+    # (1 + w) norms, four a layer, q/k norms, GeGLU, sqrt(H) embedding scale, a sliding
+    # and a full layer with their own rope bases, a query scale and logit soft-capping. The
+    # window is longer than any test's sequence; the head untied (a tied one repeats a token).
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default",
+                                                           "rope_theta": 1000000.0}},
+                    "final_logit_softcapping": 30.0, "tie_word_embeddings": False},
+    # layer 1 has no rotary; larger weights, or the tied head repeats one token
+    "smollm3": {"no_rope_layer_interval": 2, "initializer_range": 0.1},
+    # fused qkv_proj and gate_up_proj, rotary on 3/4 of each head, longrope (short factors
+    # up to 128 positions, longer than any test's sequence)
+    "phi3": {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                 "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+                                 "original_max_position_embeddings": 128}},
+}  # fmt: skip
+# Families whose norms are random too (transformers initialises them to the identity, which
+# would leave a wrong norm unseen).
+RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3")
 
 
 def cache_dir() -> Path:
@@ -90,6 +115,11 @@ def make_tiny_model_dir(
     with torch.random.fork_rng(devices=[]):  # the same weights for a seed, global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch in RANDOM_NORMS:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(str(path))
     default_tokenizer().save_pretrained(str(path))
     return path
