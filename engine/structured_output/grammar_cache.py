@@ -47,6 +47,10 @@ class CompileResult:
 
 class GrammarCache:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        # xgrammar reads transformers' tokenizer class: a GGUF's own tokenizer
+        # (engine/gguf_fast_tokenizer.py) gives that object over the same backend.
+        if hasattr(tokenizer, "transformers_tokenizer"):
+            tokenizer = tokenizer.transformers_tokenizer()
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
         )
