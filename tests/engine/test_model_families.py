@@ -56,7 +56,10 @@ def test_batch_with_prefix_hits_matches_transformers(family_model):
 def test_chunked_prefill_and_preemption_match_transformers(family_model):
     prompts = random_prompts(seed=13, n=6, vocab=1000, shared_prefix=16)
     expected = hf_greedy(family_model, prompts, NEW_TOKENS)
-    llm = LLM(model=str(family_model), dtype="float32", block_size=4, num_blocks=26,
+    # 26 blocks a KV cache group (Gemma 3's sliding and full layers are two groups)
+    config = load_hf_config(family_model)
+    groups = len(set(get_model_class(config).architecture(config).layer_types))
+    llm = LLM(model=str(family_model), dtype="float32", block_size=4, num_blocks=26 * groups,
               max_num_batched_tokens=12)  # fmt: skip
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     assert llm.engine.core.scheduler.num_preemptions > 0
