@@ -117,12 +117,10 @@ def _plain(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
 def _qwen3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
     _plain(config, keys, tensors)
     config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
-    config["max_window_layers"] = config["num_hidden_layers"]
 
 
 def _smollm3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
     _qwen3(config, keys, tensors)
-    del config["max_window_layers"]
     interval = SMOLLM3_NO_ROPE_INTERVAL
     config["no_rope_layer_interval"] = interval
     # transformers' SmolLM3Config: 1 where the layer uses rope, 0 on every 4th
@@ -165,10 +163,25 @@ def _phi3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
     config["hidden_act"] = "silu"
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     rotary = keys.get("rope.dimension_count", head_dim)
-    config["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
+    rope = config["rope_parameters"]
+    rope["partial_rotary_factor"] = config["partial_rotary_factor"] = rotary / head_dim
     original = keys.get("rope.scaling.original_context_length")
     config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
-    config["sliding_window"] = keys.get("attention.sliding_window") or None
+    config["sliding_window"] = keys.get("attention.sliding_window") or None  # 0: none
+    # LongRoPE's per-frequency factors are tensors (the converter's rope_factors_*)
+    factors = {f"{kind}_factor": _float_values(keys.gguf, f"rope_factors_{kind}.weight")
+               for kind in ("long", "short")}  # fmt: skip
+    if all(factors.values()):
+        rope.update(rope_type="longrope", **factors)
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        rope.pop("factor", None)
+
+
+def _float_values(gguf: GGUFFile, name: str) -> list[float] | None:
+    info = next((t for t in gguf.tensors if t.name == name), None)
+    if info is None or info.type.name != "F32" or len(info.shape) != 1:
+        return None
+    return [float(v) for v in gguf.array(info).view("<f4")]
 
 
 _FAMILY: dict[str, Callable[[dict[str, Any], _Keys, set[str]], None]] = {

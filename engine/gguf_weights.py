@@ -51,7 +51,25 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_SKIPPED = frozenset({"rope_freqs.weight"})  # llama 3's rope factors: the config has them
+# What the newer families add or name differently (llama.cpp's gguf-py constants.py).
+_ARCH_LAYER_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    # fused: q, k and v rows in one tensor; gate then up rows in `ffn_up`
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}  # fmt: skip
+# convert_hf_to_gguf permutes q/k rows for llama.cpp's rotary layout in its LlamaModel and
+# the converters built on it (SmolLM3) only; Qwen, Gemma and Phi-3 rows are as in HF.
+PERMUTED_QK_ARCHS = frozenset({"llama", "smollm3"})
+# Gemma's converters store an RMSNorm weight w as 1 + w (llama.cpp multiplies by it
+# as it is); transformers' Gemma norms multiply by (1 + w): w is given back.
+NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
+# llama 3's rope factors (the config has them), Phi-3's LongRoPE factors (likewise)
+_SKIPPED = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                      "rope_factors_short.weight"})  # fmt: skip
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -102,19 +120,25 @@ class GGUFTensor:
         return GGUFTensor(self.blocks.index_select(0, index), self.type, self.shape)
 
 
-def hf_name(gguf_name: str, path: str | Path = "the GGUF file") -> str | None:
-    """transformers' name for a GGUF tensor name; None for one the model does not load,
-    `ModelFileError` for one it does not have."""
+def hf_name(gguf_name: str, path: str | Path = "the GGUF file", arch: str = "llama") -> str | None:
+    """transformers' name for a GGUF tensor name of architecture ``arch``; None for one the
+    model does not load, `ModelFileError` for one it does not have."""
     if gguf_name in _SKIPPED:
         return None
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     match = _LAYER.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if match is None or match.group(2) not in names:
         raise ModelFileError(f"{path}: tensor {gguf_name} is not part of a supported model")
     index, module, kind = match.groups()
-    return f"model.layers.{index}.{_LAYER_NAMES[module]}.{kind}"
+    return f"model.layers.{index}.{names[module]}.{kind}"
+
+
+def gguf_arch(gguf: GGUFFile) -> str:
+    arch = gguf.metadata.get("general.architecture")
+    return arch if isinstance(arch, str) else "llama"
 
 
 def qk_row_order(rows: int, heads: int) -> torch.Tensor:
@@ -132,19 +156,21 @@ def _float_tensor(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple) -
 def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(transformers name, dense tensor or `GGUFTensor`) for every tensor the model loads."""
     gguf = GGUFFile(path)
-    arch = gguf.metadata.get("general.architecture")
+    arch = gguf_arch(gguf)
     heads = gguf.metadata.get(f"{arch}.attention.head_count")
     kv_heads = gguf.metadata.get(f"{arch}.attention.head_count_kv") or heads
-    permuted = arch == "llama"  # convert_hf_to_gguf permutes q/k for llama only
+    permuted = arch in PERMUTED_QK_ARCHS
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # numpy -> torch of a memmap
         for t in gguf.tensors:
-            name = hf_name(t.name, gguf.path)
+            name = hf_name(t.name, gguf.path, arch)
             if name is None:
                 continue
             shape, qtype = t.shape, t.type
             if qtype in FLOAT_TYPES:
                 tensor: torch.Tensor | GGUFTensor = _float_tensor(gguf.array(t), qtype, shape)
+                if arch in NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+                    tensor = tensor - 1  # a copy: the file's pages stay as they are
             elif len(shape) == 2:
                 blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
                 tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]), mapped=True)

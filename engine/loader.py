@@ -45,7 +45,7 @@ from engine.gguf_config import generation_config, gguf_config
 from engine.gguf_fast_tokenizer import FastTokenizer
 from engine.gguf_file import GGUFFile
 from engine.gguf_tokenizer import gguf_tokenizer, tokenizer_config
-from engine.gguf_weights import hf_name, read_tensors
+from engine.gguf_weights import gguf_arch, hf_name, read_tensors
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
@@ -378,7 +378,8 @@ def iter_weights(
 
 
 def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
-    names = ((hf_name(t.name, gguf.path), t.shape) for t in gguf.tensors)
+    arch = gguf_arch(gguf)
+    names = ((hf_name(t.name, gguf.path, arch), t.shape) for t in gguf.tensors)
     return {name: shape for name, shape in names if name is not None}
 
 

@@ -119,3 +119,132 @@ def _write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- tiny random models of each family, written as llama.cpp's converter writes them ---------
+
+# transformers' model_type -> llama.cpp's architecture
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+              "smollm3": "smollm3", "phi3": "phi3"}  # fmt: skip
+_PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
+_PLUS_ONE_NORMS = ("gemma3",)  # Gemma3Model.norm_shift
+
+
+def bpe_vocab(pre: str = "smollm") -> dict:
+    """The default model's byte-level BPE vocabulary (SmolLM2's, 49,152 tokens) as a GGUF
+    holds it, under pre-tokenizer name ``pre``."""
+    table = GGUFFile(default_gguf_path())
+    return {"model": "gpt2", "pre": pre, "tokens": table.read_array("tokenizer.ggml.tokens"),
+            "merges": table.read_array("tokenizer.ggml.merges"),
+            "types": [int(t) for t in table.read_array("tokenizer.ggml.token_type")],
+            "bos": 1, "eos": 2, "unk": 0, "pad": 2, "add_bos": False}  # fmt: skip
+
+
+def spm_vocab(size: int = 600) -> dict:
+    """A small SentencePiece-style vocabulary (control tokens, the 256 byte tokens, pieces
+    with U+2581 for a space, scores falling with the rank), learned from the quality text
+    with the `tokenizers` trainer: Gemma's and Phi-3's kind of vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = (Path(__file__).resolve().parents[1] / "data" / "quality_text.txt").read_text()
+    trainer = trainers.BpeTrainer(vocab_size=size, show_progress=False)
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace()
+    learner.train_from_iterator(text.splitlines(), trainer)
+    learned = sorted(learner.get_vocab().items(), key=lambda item: item[1])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["  ", "   "]
+    pieces = [t for t, _ in learned if t not in tokens]
+    tokens += pieces
+    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1, 1] + [1] * len(pieces)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces) + 2)]
+    return {"model": "llama", "tokens": tokens, "scores": scores, "types": types,
+            "bos": 2, "eos": 1, "unk": 3, "pad": 0, "add_bos": True}  # fmt: skip
+
+
+def write_family_gguf(path: Path, model, vocab: dict, template: str | None = None) -> Path:
+    """``model`` (a tiny transformers CausalLM) as an F32 GGUF with ``vocab``'s tokenizer,
+    the keys and tensors as llama.cpp's convert_hf_to_gguf writes them for its family:
+    names from gguf-py's own tensor map, q/k rows permuted for llama and SmolLM3, Gemma's
+    norms stored plus one, Phi-3's LongRoPE factors as tensors."""
+    import gguf
+
+    config = model.config
+    arch = GGUF_ARCHS[config.model_type]
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch != "phi3" and getattr(config, "head_dim", None):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in ("llama", "smollm3"):  # LlamaModel: the rotary width, the vocabulary's size
+        w.add_rope_dimension_count(head_dim)
+        w.add_vocab_size(config.vocab_size)
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            w.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        w.add_sliding_window(config.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            for kind in ("long", "short"):
+                factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+                w.add_tensor(f"rope_factors_{kind}.weight", factors)
+    _write_vocab(w, vocab, template, arch)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy().copy()
+        stem, _, kind = name.rpartition(".")
+        if arch in _PERMUTED and stem.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if "q_proj" in stem else config.num_key_value_heads
+            data = _permute(data, heads)
+        if arch in _PLUS_ONE_NORMS and name.endswith("norm.weight"):
+            data = data + 1
+        w.add_tensor(f"{names.get_name(stem)}.{kind}", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: each head's rotary halves interleaved."""
+    shape = weights.shape
+    return (weights.reshape(heads, 2, shape[0] // heads // 2, *shape[1:])
+            .swapaxes(1, 2).reshape(shape))  # fmt: skip
+
+
+def _write_vocab(w: GGUFWriter, vocab: dict, template: str | None, arch: str) -> None:
+    w.add_tokenizer_model(vocab["model"])
+    if "pre" in vocab:
+        w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_unk_token_id(vocab["unk"])
+    w.add_pad_token_id(vocab["pad"])
+    w.add_add_bos_token(vocab["add_bos"])
+    if arch == "gemma3":
+        w.add_add_space_prefix(False)  # Gemma3Model.set_vocab
+    if template is not None:
+        w.add_chat_template(template)
