@@ -82,10 +82,13 @@ class EngineCore:
         self.config = config = config.with_plan(plan).with_num_blocks(self._num_kv_blocks(config))
         # Ranks 1..N-1 (engine/tp_worker.py): started once the cache size they share is known.
         self._tp_workers = start_workers(config) if tp_size > 1 else []
-        kv_caches = allocate_kv_cache(
-            config.num_layers, config.num_blocks, engine.block_size, model.num_kv_heads,
+        tensors = allocate_kv_cache(
+            config.kv_cache_tensors, config.num_blocks, engine.block_size, model.num_kv_heads,
             model.head_dim, config.dtype, config.device, engine.kv_cache_quantized,
         )  # fmt: skip
+        # Each layer's pair: its own, or in a hybrid model one its KV cache group shares
+        # with a layer of each other group (kv_cache/groups.py).
+        kv_caches = [tensors[slot] for slot in config.layer_kv_slots()]
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, config.vocab_size, self.eos_token_ids
         )
@@ -224,7 +227,7 @@ class EngineCore:
         profiles = config.engine.profiles_memory(config.device) and self.model.tp is None
         gpu_memory = self._profile_memory(config) if profiles else None
         return config.engine.kv_cache_num_blocks(
-            config.num_layers, self.model.num_kv_heads, self.model.head_dim,
+            config.kv_cache_tensors, self.model.num_kv_heads, self.model.head_dim,
             config.dtype.itemsize, device=config.device, gpu_memory=gpu_memory,
         )  # fmt: skip
 
@@ -246,7 +249,7 @@ class EngineCore:
         )  # fmt: skip
         reset_peak_memory_stats(device)
         meta = AttentionMetadata.build(query_lens, query_lens, tables, bs, device)
-        self.model.attn_backend.prepare(meta)
+        self.model.prepare_attention(meta)
         ids = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
         hidden = self.model(ids, meta.positions, scratch, meta)
         last = torch.tensor(meta.query_start_loc_list[1:], device=device) - 1

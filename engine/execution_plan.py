@@ -29,6 +29,7 @@ from engine.attention.registry import DEFAULT_BACKEND, backend_class, cpu_paged_
 from engine.config import DTYPES
 from engine.device import gpu_has_bf16, is_cpu, is_cuda
 from engine.models.registry import get_model_class
+from kv_cache.groups import kv_cache_groups
 
 # CPU flags that mean bfloat16 matmuls run in hardware (AVX512-BF16 dot products or AMX
 # tiles); without them torch emulates bf16 and float32 is faster. With them bf16 halves
@@ -69,13 +70,20 @@ class ModelShape(NamedTuple):
     # None: they can (`Architecture.layer_ops_misfit`, `decode_stack_misfit`).
     layer_ops_misfit: str | None = None
     decode_stack_misfit: str | None = None
+    # Whether any layer attends a sliding window, and the KV cache groups of its layers
+    # (kv_cache/groups.py: more than one when windowed and full layers mix).
+    sliding_window: bool = False
+    kv_cache_groups: int = 1
 
     @classmethod
     def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
-        arch = get_model_class(hf_config).architecture(hf_config)
+        model = get_model_class(hf_config)
+        arch = model.architecture(hf_config)
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
+        windows = model.layer_windows(hf_config)
         return cls(heads // tp_size, max(kv_heads // tp_size, 1), arch.head_dim,
-                   arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit())  # fmt: skip
+                   arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit(),
+                   any(windows), len(kv_cache_groups(windows)))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,9 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
     quantization = resolve_quantization(config, device, dtype, gguf)
     if tp > 1 and quantization.layers:
         raise ValueError("tensor parallelism takes unquantized weights (quantization none)")
+    if tp > 1 and shape.kv_cache_groups > 1:
+        raise ValueError("tensor parallelism does not serve models that mix sliding-window "
+                         "and full-attention layers yet")  # fmt: skip
     kv_int8 = config.kv_cache_dtype == "int8"
     layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp, kv_int8)
     attention = resolve_attention(config, device, dtype, quantization.layers, shape)
@@ -295,9 +306,13 @@ def resolve_attention(
     )  # fmt: skip
     asked = config.attention_backend
     if asked == "auto":
-        if triton_applies(device, kv_int8):
+        # (triton has no sliding window yet: a windowed model on CUDA takes SDPA)
+        if triton_applies(device, kv_int8) and not shape.sliding_window:
             return "triton"
         return "cpu-paged" if paged else DEFAULT_BACKEND
+    if shape.sliding_window and not backend_class(asked).sliding_windows:
+        raise ValueError(f"attention backend {asked!r} has no sliding window, which this "
+                         f"model's layers attend; use sdpa")  # fmt: skip
     if asked == "cpu-paged" and not paged:
         raise ValueError(
             "attention backend 'cpu-paged' needs device cpu, dtype bfloat16 on a CPU with "

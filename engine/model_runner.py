@@ -91,8 +91,9 @@ class ModelRunner:
             return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
         # Eager: prefills, large batches, or no graphs; the native stack or the model's forward.
         input_ids, meta, sample_rows = self._prepare_inputs(out)
-        # The step's host-side attention planning, once: the layers then only run tensor work.
-        self.model.attn_backend.prepare(meta)
+        # The step's host-side attention planning, once per KV cache group's backend: the
+        # layers then only run tensor work.
+        self.model.prepare_attention(meta)
         stack = self.decode_stack
         hidden = stack.run(input_ids, meta.positions, self.kv_caches, meta) if stack else None
         if hidden is None:
@@ -106,24 +107,37 @@ class ModelRunner:
         sampled request's last, or all 1 + k of a request verifying k drafts."""
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[tuple[int, ...]] = []
+        rows_of: list[int] = []  # each row's request in out.scheduled
         sample_rows: list[int] = []
         row = 0
-        for s in out.scheduled:
+        for i, s in enumerate(out.scheduled):
             q, start = len(s.token_ids), s.num_computed_tokens
             if s.num_draft_tokens:  # a decode row per position, each up to its own
                 query_lens += [1] * q
                 seq_lens += range(start + 1, start + q + 1)
-                tables += [s.block_ids] * q
+                rows_of += [i] * q
                 sample_rows += range(row, row + q)
             else:
                 query_lens.append(q)
                 seq_lens.append(start + q)
-                tables.append(s.block_ids)
+                rows_of.append(i)
                 if s.sample:
                     sample_rows.append(row + q - 1)
             row += q
+        scheduled = out.scheduled
+        tables = [scheduled[i].block_ids for i in rows_of]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        if scheduled[0].group_block_ids:  # a hybrid model: each other group's view of the step
+            meta.group_metas = tuple(
+                AttentionMetadata.build(
+                    query_lens,
+                    seq_lens,
+                    [scheduled[i].group_block_ids[g] for i in rows_of],
+                    self.block_size,
+                    self.device,
+                )  # fmt: skip
+                for g in range(len(scheduled[0].group_block_ids))
+            )
         host = self._host_ids[: meta.num_tokens]
         host.numpy()[:] = [t for s in out.scheduled for t in s.token_ids]
         return host.to(self.device, non_blocking=True), meta, sample_rows

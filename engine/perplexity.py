@@ -44,7 +44,7 @@ def text_logits(
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
         meta = AttentionMetadata.build([end - start], [end], [blocks], bs, core.device)
-        model.attn_backend.prepare(meta)
+        model.prepare_attention(meta)
         yield model.compute_logits(model(ids[start:end], meta.positions, scratch, meta)), \
             ids[start + 1 : end + 1]  # fmt: skip
 

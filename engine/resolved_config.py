@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.execution_plan import ExecutionPlan, Quantization, resolve_plan
 from engine.loader import load_hf_config, resolve_model_dir, source_gguf
 from engine.models.registry import get_model_class
+from kv_cache.groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
 from scheduler import SchedulerConfig
 
 
@@ -71,6 +73,22 @@ class ResolvedConfig:
     def num_layers(self) -> int:
         return int(self.hf_config.num_hidden_layers)
 
+    @cached_property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers by attention kind (kv_cache/groups.py): one group unless the model mixes
+        sliding-window and full layers."""
+        return kv_cache_groups(get_model_class(self.hf_config).layer_windows(self.hf_config))
+
+    @property
+    def kv_cache_tensors(self) -> int:
+        """The K/V tensor pairs the cache allocates: one per layer of a group, each shared by
+        one layer of every group, so a block costs memory in this many layers."""
+        return group_size(self.kv_cache_groups)
+
+    def layer_kv_slots(self) -> list[int]:
+        """Which of the cache's tensor pairs each layer reads and writes."""
+        return [slot for _, slot in layer_slots(self.kv_cache_groups, self.num_layers)]
+
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
@@ -89,12 +107,11 @@ class ResolvedConfig:
             prefix_cache_hash="sha256" if tiered else c.prefix_cache_hash,
             scheduling_policy=c.scheduling_policy,
             age_bound_s=c.age_bound_s,
+            kv_cache_groups=self.kv_cache_groups,
         )
 
 
 def context_limit(hf_config: Any) -> int:
-    """The longest context computed exactly. Sliding-window attention is not implemented,
-    so a windowed model (Mistral v0.1) is capped at its window, where full attention equals it."""
-    limit = int(hf_config.max_position_embeddings)
-    window = get_model_class(hf_config).sliding_window(hf_config)
-    return min(limit, window) if window else limit
+    """The longest context computed exactly: the rotary table's (sliding windows are
+    attended as such, kv_cache/groups.py)."""
+    return int(hf_config.max_position_embeddings)

@@ -77,6 +77,10 @@ class HybridKVCacheManager:
     def num_pinned_blocks(self) -> int:
         return 0
 
+    def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request holds at once, in all its groups together."""
+        return sum(group.max_blocks(num_tokens, max_chunk) for group in self.groups)
+
     def get_computed_blocks(self, req: RequestLike) -> tuple[GroupHits, int]:
         """Each group's hit blocks for the longest prefix every group serves, and its
         length in tokens."""
@@ -115,10 +119,13 @@ class HybridKVCacheManager:
         )
         if needed > len(self.block_pool.free_block_queue):
             return None
-        new: list[KVCacheBlock] = []
         for group, h in zip(self.groups, hits, strict=True):
-            new += group._allocate(req, num_new_tokens, h)
-        return new
+            group.take_hits(req, h)  # all hits held before any group evicts for new blocks
+        return [
+            block
+            for group, h in zip(self.groups, hits, strict=True)
+            for block in group.allocate_new(req, num_new_tokens, len(h))
+        ]
 
     def free(self, req: RequestLike | str) -> None:
         for group in self.groups:

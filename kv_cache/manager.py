@@ -143,6 +143,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once, computing at most
+        max_chunk tokens a step: all of its blocks, or under a sliding window those of the
+        window before a step's first token and of the step's tokens."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return blocks
+        return min(blocks, (self.window - 1 + max_chunk) // self.block_size + 2)
+
     def _state(self, req: RequestLike) -> _RequestState:
         state = self._requests.get(req.request_id)
         if state is None:
@@ -297,7 +306,8 @@ class KVCacheManager:
         num_needed = self.num_blocks_needed(req, num_new_tokens, hits)
         if num_needed is None or num_needed > len(self.block_pool.free_block_queue):
             return None
-        return self._allocate(req, num_new_tokens, hits)
+        self.take_hits(req, hits)
+        return self.allocate_new(req, num_new_tokens, len(hits))
 
     def num_blocks_needed(
         self, req: RequestLike, num_new_tokens: int, hits: Sequence[KVCacheBlock | None] = ()
@@ -340,27 +350,33 @@ class KVCacheManager:
         state.block_ids = (SKIPPED,) * first_read + state.block_ids[first_read:]
         state.num_skipped = first_read
 
-    def _allocate(
-        self, req: RequestLike, num_new_tokens: int, hits: Sequence[KVCacheBlock | None]
-    ) -> list[KVCacheBlock]:
-        """`allocate_slots` once `num_blocks_needed` said the pool has room."""
+    def take_hits(self, req: RequestLike, hits: Sequence[KVCacheBlock | None]) -> None:
+        """`allocate_slots`' first half, once `num_blocks_needed` said the pool has room:
+        the request's hits join its table. Every group of a model takes its hits before
+        any takes a new block, which could otherwise evict another group's free hit."""
         state = self._requests.get(req.request_id)
         if state is None:
             state = self._requests[req.request_id] = _RequestState(self._prepare_extra(req))
-        block_size = self.block_size
-        pool = self.block_pool
-        num_hits = len(hits)
-        num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
-        num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids) - num_hits
         if state.pending_lookup is not None:
             self._count_lookup(state)
-        if num_hits:
+        if hits:
             held = [block for block in hits if block is not None]
-            pool.touch(held)
-            state.num_skipped = num_hits - len(held)
+            self.block_pool.touch(held)
+            state.num_skipped = len(hits) - len(held)
             state.block_ids += (SKIPPED,) * state.num_skipped
             state.block_ids += tuple([block.block_id for block in held])
-            state.num_cached_blocks = num_hits
+            state.num_cached_blocks = len(hits)
+
+    def allocate_new(
+        self, req: RequestLike, num_new_tokens: int, num_hits: int = 0
+    ) -> list[KVCacheBlock]:
+        """`allocate_slots`' second half: blocks for the new tokens after `take_hits` took
+        `num_hits` hits (req.num_computed_tokens does not count them yet)."""
+        state = self._requests[req.request_id]
+        block_size = self.block_size
+        pool = self.block_pool
+        num_tokens = req.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids)
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             state.block_ids += tuple([block.block_id for block in new_blocks])

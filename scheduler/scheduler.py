@@ -132,9 +132,10 @@ class Scheduler:
                 f"prompt + 1 must be <= max_model_len={cfg.max_model_len}"
             )
         # The KV cache holds every token but the last one sampled, so a request
-        # that runs to its end needs this many tokens' worth of blocks at once.
+        # that runs to its end needs this many tokens' worth of blocks at once (fewer in
+        # a sliding-window group).
         max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
-        needed_blocks = -(-(max_len - 1) // cfg.block_size)
+        needed_blocks = self.kv_cache_manager.max_blocks(max_len - 1, cfg.max_num_batched_tokens)
         # Pinned blocks never come free: a request must fit in the others.
         pinned = self.kv_cache_manager.num_pinned_blocks
         if needed_blocks > cfg.num_blocks - pinned:

@@ -29,6 +29,8 @@ class AttentionBackend(ABC):
     # Whether the backend attends a sliding window (`window`); one that does not is refused
     # for a windowed layer group by `get_attention_backend`.
     sliding_windows = True
+    # Which KV cache group's layers the backend serves (its meta: `meta.for_group`).
+    kv_group = 0
 
     def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
         if num_heads % num_kv_heads:

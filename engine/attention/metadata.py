@@ -34,10 +34,19 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     num_decodes: int  # requests with query length 1 (anywhere in the batch)
+    # A hybrid model's other KV cache groups (kv_cache/groups.py): the same step over each
+    # group's block tables (its own slots), in group order; () for a model of one group.
+    group_metas: tuple[AttentionMetadata, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The step as KV cache group `group`'s layers see it: this one for group 0, and
+        for every group when no other group's was built (a caller whose scratch cache gives
+        each layer its own tensor and one table, as the memory profile and perplexity do)."""
+        return self.group_metas[group - 1] if group and self.group_metas else self
 
     @property
     def num_tokens(self) -> int:

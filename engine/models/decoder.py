@@ -52,14 +52,12 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def layer_windows(cls, hf_config: Any) -> list[int | None]:
-        """Each layer's sliding window (None: full attention), which sorts the layers into
-        KV cache groups (kv_cache/groups.py): `Architecture.layer_types` where the family
-        states them, else the model's `sliding_window` on every layer (Mistral v0.1)."""
+        """Each layer's sliding window (None: full attention, as are all layers of an
+        architecture that states no `layer_types`), which sorts the layers into KV cache
+        groups (kv_cache/groups.py)."""
         arch = cls.architecture(hf_config)
-        if arch.layer_types:
-            return [arch.sliding_window if t == "sliding_attention" else None
-                    for t in arch.layer_types]  # fmt: skip
-        return [cls.sliding_window(hf_config)] * arch.num_layers
+        types = arch.layer_types or ("full_attention",) * arch.num_layers
+        return [arch.sliding_window if t == "sliding_attention" else None for t in types]
 
     def __init__(
         self,
@@ -100,8 +98,14 @@ class DecoderForCausalLM(nn.Module):
         kw = {"dtype": self.dtype, "device": self.device}
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, self.attn_backends[group_of[i]], tp,
-                         quantization=self.quantization, index=i, **kw)  # fmt: skip
+            DecoderLayer(
+                arch,
+                self.attn_backends[group_of[i]],
+                tp,
+                quantization=self.quantization,
+                index=i,
+                **kw,
+            )  # fmt: skip
             for i in range(arch.num_layers)
         )
         self.norm = _param(arch.hidden_size, **kw)
@@ -117,8 +121,9 @@ class DecoderForCausalLM(nn.Module):
         # One table per rotary kind the layers use (engine/models/rotary.py); `rotary` is
         # the first layer's (the only one where the native decode stack runs).
         kinds = {arch.rope_of(i) for i in range(arch.num_layers)}
-        self.rope_tables = rope_tables(hf_config, kinds, arch.head_dim,
-                                       self.max_position_embeddings, self.dtype, self.device)
+        self.rope_tables = rope_tables(
+            hf_config, kinds, arch.head_dim, self.max_position_embeddings, self.dtype, self.device
+        )
         self.rotary = self.rope_tables[arch.rope_of(0)]
 
     def forward(
@@ -154,9 +159,11 @@ class DecoderForCausalLM(nn.Module):
         if blocks is None:
             rows = F.embedding(input_ids, self.embed_tokens)
         else:
-            rows = ggml_kernels().ggml_dequantize(
-                blocks.blocks, int(blocks.type), blocks.shape[1], input_ids
-            ).to(self.dtype)
+            rows = (
+                ggml_kernels()
+                .ggml_dequantize(blocks.blocks, int(blocks.type), blocks.shape[1], input_ids)
+                .to(self.dtype)
+            )
         if self.arch.embed_scale is not None:  # (Gemma: sqrt(hidden_size), in the model dtype)
             scale = torch.tensor(self.arch.embed_scale, device=rows.device)  # float32, then cast
             rows = rows * scale.to(rows.dtype)

@@ -87,6 +87,7 @@ class Architecture:
             "per-layer rotary" if len(set(self.layer_rope) - {"default"}) else "",
             "attention scale" if self.attn_scale is not None else "",
             "embedding scale" if self.embed_scale is not None else "",
+            "sliding window" if "sliding_attention" in self.layer_types else "",
         ]
         return ", ".join(r for r in reasons if r) or None
 

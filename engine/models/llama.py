@@ -48,5 +48,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def layer_types(cls, hf_config: Any) -> tuple[str, ...]:
         """Each layer's kind as transformers names it ("full_attention",
-        "sliding_attention"); (): every layer full."""
-        return ()
+        "sliding_attention"); (): every layer full. A config with a `sliding_window`
+        (Mistral v0.1) windows every layer, as transformers' Llama-shaped models do."""
+        if cls.sliding_window(hf_config) is None:
+            return ()
+        return ("sliding_attention",) * hf_config.num_hidden_layers

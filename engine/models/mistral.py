@@ -1,5 +1,5 @@
-"""Mistral: Llama's layers; its sliding window is not applied, so the engine caps the
-context at the window, where full attention equals it (engine/resolved_config.py)."""
+"""Mistral: Llama's layers, every one over the config's `sliding_window` when it has one
+(Mistral v0.1: 4,096 tokens; later versions: none)."""
 
 from __future__ import annotations
 

@@ -194,3 +194,26 @@ def test_hybrid_preempted_request_resumes_from_its_cached_blocks():
     mgr.check_invariants()
     mgr.free(req)
     assert mgr.num_free_blocks == 64
+
+
+def test_hybrid_takes_every_groups_hits_before_any_group_takes_new_blocks():
+    """A sliding group's early blocks go back to the free queue while the request runs, so
+    they sit at its head: the full group's new blocks must not evict them when a later
+    request hits them (found by the golden test: one block in both tables)."""
+    mgr = hybrid(num_blocks=11)
+    prefix = list(range(8))
+    a = Req("a", prefix + [50])
+    admit(mgr, a)
+    for t in range(11):  # the sliding group gives back blocks 0 and 1
+        decode(mgr, a, 100 + t)
+    mgr.free(a)
+    b = Req("b", prefix + [60, 61, 62, 63, 64, 65, 66, 67, 68])
+    hits, num_hit_tokens = mgr.get_computed_blocks(b)
+    assert num_hit_tokens == 8
+    head = [b.block_id for b in mgr.block_pool.free_block_queue][:4]
+    assert {h.block_id for h in hits[1] if h is not None} & set(head)  # where eviction starts
+    assert mgr.allocate_slots(b, 9, hits) is not None
+    full, (sliding,) = mgr.get_block_ids("b"), mgr.get_group_block_ids("b")
+    assert not set(full) & set(sliding)
+    assert sliding[:2] == tuple(h.block_id for h in hits[1])
+    mgr.check_invariants()

@@ -1,0 +1,69 @@
+"""Sliding-window models token for token with transformers (float32 greedy), on requests
+longer than the window: every layer windowed (Mistral v0.1: one KV cache group), and
+windowed layers beside full ones (Qwen2's `max_window_layers`: a hybrid model of two
+groups over one pool), through prefix-cache hits, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.test_engine_golden import (
+    assert_all_blocks_free,
+    engine_greedy,
+    hf_greedy,
+    random_prompts,
+)
+from tests.engine.tiny_models import make_tiny_model_dir
+
+WINDOW = 12
+NEW_TOKENS = 20
+MODELS = {
+    "mistral": {"sliding_window": WINDOW},
+    # layer 0 full, layer 1 sliding
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def windowed(request, tmp_path_factory):
+    arch = request.param
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(arch), arch=arch, seed=3, **MODELS[arch])
+    prompts = random_prompts(seed=5, n=8, vocab=1000, shared_prefix=24)
+    return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def test_the_window_changes_transformers_output(windowed, tmp_path):
+    """Without this the tests below would pass with the window ignored."""
+    path, prompts, expected = windowed
+    arch = "mistral" if "mistral" in str(path) else "qwen2"
+    full = make_tiny_model_dir(tmp_path / "full", arch=arch, seed=3)
+    assert hf_greedy(full, prompts, NEW_TOKENS) != expected
+
+
+def test_windowed_batch_with_hits_matches_transformers(windowed):
+    path, prompts, expected = windowed
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256)
+    assert engine_greedy(llm, prompts[:1], NEW_TOKENS) == expected[:1]  # warms the prefix
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                        use_tqdm=False)  # fmt: skip
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens >= 20 for o in outs[1:])
+    assert llm.engine.core.max_model_len > WINDOW  # no longer capped at the window
+    assert_all_blocks_free(llm)
+
+
+# Pools too small for the batch: every request of the all-windowed model holds at most
+# window / block_size + 2 blocks of 4 tokens plus its chunk's (8 x 6 > 12), the hybrid one
+# also every block of its full layer (84 tokens: 21 blocks).
+POOL_BLOCKS = {"mistral": 12, "qwen2": 30}
+
+
+def test_windowed_preemption_and_chunking_match_transformers(windowed):
+    path, prompts, expected = windowed
+    arch = "mistral" if "mistral" in str(path) else "qwen2"
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=POOL_BLOCKS[arch],
+              max_num_batched_tokens=10)  # fmt: skip
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
