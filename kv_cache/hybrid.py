@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from kv_cache.block import KVCacheBlock
 from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.groups import KVCacheGroup
-from kv_cache.manager import KVCacheManager, RequestLike, check_ref_counts
+from kv_cache.host_tier import HostTier
+from kv_cache.invariants import check_ref_counts
+from kv_cache.manager import KVCacheManager, RequestLike
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
 
@@ -172,3 +174,25 @@ class HybridKVCacheManager:
             for block_id, n in enumerate(group.count_holders()):
                 holders[block_id] += n
         check_ref_counts(self.block_pool, holders)
+
+
+def kv_cache_manager_for(
+    groups: Sequence[KVCacheGroup] | None,
+    num_blocks: int,
+    block_size: int,
+    enable_caching: bool = True,
+    hash_algo: str = "builtin",
+    event_listener: EventListener | None = None,
+    tier: HostTier | None = None,
+) -> KVCacheManager | HybridKVCacheManager:
+    """The manager of a model with these KV cache groups (None: one full-attention group):
+    a `KVCacheManager` for one group, a hybrid one over a shared pool for several."""
+    groups = groups or ()
+    if len(groups) < 2:
+        window = groups[0].window if groups else None
+        return KVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
+                              event_listener, tier, window)  # fmt: skip
+    if tier is not None:
+        raise ValueError("the second KV tier does not serve hybrid models yet")
+    return HybridKVCacheManager(num_blocks, block_size, groups, enable_caching, hash_algo,
+                                event_listener)  # fmt: skip

@@ -38,11 +38,14 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kv_cache.block import BlockHash, KVCacheBlock
-from kv_cache.block_pool import BlockPool, BlockRemoved, EventListener, KVCacheEvent
+from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.hashing import get_block_hasher
 from kv_cache.host_tier import HostTier
+from kv_cache.invariants import check_ref_counts, count_holders
+from kv_cache.sliding_window import first_block_read, max_blocks_held, window_hit
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
+from kv_cache.tier_link import TierLink
 
 
 class RequestLike(Protocol):
@@ -121,10 +124,8 @@ class KVCacheManager:
         # misses in the pool continues there. The bytes move in the engine, between a
         # schedule() and the step that runs it (`take_tier_moves`).
         self.tier = tier
-        self._offloads: list[tuple[int, BlockHash]] = []  # evicted: copy out before reuse
-        self._loads: dict[int, tuple[BlockHash, bytes]] = {}  # brought back: copy in
-        self._event_listener = event_listener
-        listener = self._on_pool_event if tier is not None else event_listener
+        self.tier_link = TierLink(tier, event_listener) if tier is not None else None
+        listener = self.tier_link.on_pool_event if self.tier_link else event_listener
         self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, listener)
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestState] = {}
@@ -145,12 +146,8 @@ class KVCacheManager:
 
     def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once, computing at most
-        max_chunk tokens a step: all of its blocks, or under a sliding window those of the
-        window before a step's first token and of the step's tokens."""
-        blocks = -(-num_tokens // self.block_size)
-        if self.window is None:
-            return blocks
-        return min(blocks, (self.window - 1 + max_chunk) // self.block_size + 2)
+        max_chunk tokens a step (kv_cache/sliding_window.py)."""
+        return max_blocks_held(num_tokens, max_chunk, self.block_size, self.window)
 
     def _state(self, req: RequestLike) -> _RequestState:
         state = self._requests.get(req.request_id)
@@ -172,69 +169,26 @@ class KVCacheManager:
         Capped at len(all_token_ids) - 1 tokens: the last token must be
         computed to get logits, so a fully cached prompt gives up its last
         block (and at `max_blocks`, a hit the other groups can serve). With a second
-        tier, the run continues with the blocks it brings back (`_restore`). Under a
+        tier, the run continues with the blocks it brings back (`TierLink.restore`). Under a
         sliding window the hit is the longest prefix whose last blocks (those the next
         token's window reads) are cached; the blocks before them are None.
         """
         if not self.enable_caching:
             return [], 0
         state, hits = self._lookup(req, max_blocks)
-        if self.tier is not None:
-            hits += self._restore(req, state, hits)
+        if self.tier_link is not None:
+            restored = self.tier_link.restore(
+                self.block_pool, self.block_size, req, state.block_hashes, hits
+            )
+            self.stats.tier_hits += len(restored) * self.block_size
+            hits += restored
         num_hit_tokens = len(hits) * self.block_size
         state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
 
-    # ------------------------------------------------------------------ second tier
-
-    def _on_pool_event(self, event: KVCacheEvent) -> None:
-        if isinstance(event, BlockRemoved):
-            pending = self._loads.pop(event.block_id, None)
-            # A block brought back and evicted again before its bytes arrived: the tier
-            # still holds it, and the pool never held its contents.
-            if pending is None and event.block_hash not in self.tier:
-                self._offloads.append((event.block_id, event.block_hash))
-        if self._event_listener is not None:
-            self._event_listener(event)
-
-    def _restore(
-        self, req: RequestLike, state: _RequestState, hits: list[KVCacheBlock]
-    ) -> list[KVCacheBlock]:
-        """The blocks the tier gives back to continue `hits` (req's cached prefix in the
-        pool), when the pool has room for the whole request: each is cached in a free
-        block now, its bytes copied in before the next step runs (`take_tier_moves`)."""
-        pool, bs = self.block_pool, self.block_size
-        hashes = state.block_hashes
-        num_tokens = len(req.all_token_ids)
-        limit = (num_tokens - 1) // bs  # as get_computed_blocks: the last token is computed
-        first = len(hits)
-        if first >= limit or hashes[first] not in self.tier:
-            return []
-        # The request's hits stay out of reach while blocks are taken from the free head.
-        needed = -(-num_tokens // bs) - first
-        if needed > len(pool.free_block_queue) - sum(1 for b in hits if b.ref_cnt == 0):
-            return []
-        pool.touch(hits)
-        restored = []
-        for index in range(first, limit):
-            data = self.tier.get(hashes[index])  # None: absent, or torn (dropped)
-            if data is None:
-                break
-            block = pool.adopt(hashes, index)
-            self._loads[block.block_id] = (hashes[index], data)
-            restored.append(block)
-        pool.free_blocks(reversed(hits))
-        self.stats.tier_hits += len(restored) * bs
-        return restored
-
     def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
-        """What the engine must do before the step it is about to run, and forget it:
-        (evicted blocks to copy into the tier under their hash, the bytes of blocks
-        brought back to write into them). Copy the evicted ones out before writing the
-        others in: a block can be both."""
-        offloads, self._offloads = self._offloads, []
-        loads, self._loads = self._loads, {}
-        return offloads, {block_id: data for block_id, (_, data) in loads.items()}
+        """What the engine must copy before the step it is about to run (`TierLink.take`)."""
+        return self.tier_link.take() if self.tier_link is not None else ([], {})
 
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """(block id, hash) of every block the pool caches (to save them all to the tier)."""
@@ -263,7 +217,7 @@ class KVCacheManager:
         if max_blocks is not None:
             limit = min(limit, max_blocks)
         if self.window is not None:
-            return state, self._window_hit(hashes, limit)
+            return state, window_hit(lookup, hashes, limit, self.window, block_size)
         hits: list[KVCacheBlock | None] = []
         for i in range(limit):
             block = lookup(hashes[i])
@@ -271,24 +225,6 @@ class KVCacheManager:
                 break
             hits.append(block)
         return state, hits
-
-    def _window_hit(self, hashes: list[BlockHash], limit: int) -> list[KVCacheBlock | None]:
-        """The longest hit of at most `limit` blocks whose last blocks (the ones the next
-        token's window reaches: ceil((W - 1) / bs), at least one) are cached, or whose
-        blocks are all cached; None stands for each block before them. Searched from the
-        end, as vLLM's sliding-window manager does."""
-        need = max(1, -(-(self.window - 1) // self.block_size))
-        lookup = self.block_pool.cached_hash_to_block.get
-        run: list[KVCacheBlock] = []  # cached blocks ending at the candidate's end, reversed
-        for i in range(limit - 1, -1, -1):
-            block = lookup(hashes[i])
-            if block is None:
-                run = []
-                continue
-            run.append(block)
-            if len(run) == need or i == 0:
-                return [None] * i + run[::-1]
-        return []
 
     def allocate_slots(
         self,
@@ -340,7 +276,7 @@ class KVCacheManager:
     def _skip_passed_blocks(self, state: _RequestState, num_computed_tokens: int) -> None:
         """Give back the blocks wholly before the window of the next token to compute
         (position num_computed_tokens): tail first, as `free` does, and still cached."""
-        first_read = max(0, num_computed_tokens - self.window + 1) // self.block_size
+        first_read = first_block_read(num_computed_tokens, self.window, self.block_size)
         first_read = min(first_read, len(state.block_ids))
         if first_read <= state.num_skipped:
             return
@@ -557,59 +493,5 @@ class KVCacheManager:
 
     def count_holders(self) -> list[int]:
         """How many of this group's tables and pins hold each block of the pool, checking
-        each table on the way (AssertionError naming the first broken invariant)."""
-        pool = self.block_pool
-        holders = [0] * pool.num_blocks
-        for request_id, state in self._requests.items():
-            if not isinstance(state.block_ids, tuple):
-                raise AssertionError(f"request {request_id}: block table is not a tuple")
-            if state.num_skipped and self.window is None:
-                raise AssertionError(f"request {request_id}: skipped blocks without a window")
-            if state.num_skipped > len(state.block_ids):
-                raise AssertionError(f"request {request_id}: more skipped blocks than blocks")
-            ids = state.block_ids[state.num_skipped :]
-            if not all(0 <= i < pool.num_blocks for i in ids):
-                raise AssertionError(f"request {request_id} holds a block not in the pool: {ids}")
-            if len(set(ids)) != len(ids):
-                raise AssertionError(f"request {request_id} holds a block twice: {ids}")
-            if state.num_cached_blocks > len(state.block_ids):
-                raise AssertionError(f"request {request_id}: more cached blocks than blocks")
-            for block_id in ids:
-                holders[block_id] += 1
-            blocks = [pool.blocks[i] for i in ids]
-            num_cached = max(state.num_cached_blocks - state.num_skipped, 0)
-            if len(state.block_hashes) < num_cached:
-                raise AssertionError(f"request {request_id}: cached blocks without hashes")
-            for block in blocks[num_cached:]:
-                # Only this request could have cached it, and it has not yet.
-                if block.block_hash is not None:
-                    raise AssertionError(
-                        f"request {request_id}: block {block.block_id} is past the "
-                        f"request's cached blocks but carries a hash (not evicted?)"
-                    )
-            for block, block_hash in zip(
-                blocks[:num_cached],
-                state.block_hashes[state.num_skipped : state.num_cached_blocks],
-                strict=True,
-            ):
-                # A held cached block keeps its hash; a duplicate has none.
-                if block.block_hash is not None and block.block_hash != block_hash:
-                    raise AssertionError(
-                        f"request {request_id}: block {block.block_id} carries another "
-                        f"prefix's hash"
-                    )
-        for block in self._pinned:
-            holders[block.block_id] += 1
-            if block.block_hash is None:
-                raise AssertionError(f"pinned block {block.block_id} lost its hash")
-        return holders
-
-
-def check_ref_counts(pool: BlockPool, holders: list[int]) -> None:
-    """Every block's ref_cnt is the number of tables (of every group) and pins holding it."""
-    for block in pool.blocks:
-        if block.ref_cnt != holders[block.block_id]:
-            raise AssertionError(
-                f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
-                f"{holders[block.block_id]} block tables hold it"
-            )
+        each table on the way (kv_cache/invariants.py)."""
+        return count_holders(self.block_pool, self._requests, self._pinned, self.window)

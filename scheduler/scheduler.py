@@ -35,10 +35,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import count, islice
 
-from kv_cache import KVCacheManager
 from kv_cache.block_pool import EventListener
 from kv_cache.host_tier import HostTier
-from kv_cache.hybrid import HybridKVCacheManager
+from kv_cache.hybrid import kv_cache_manager_for
 from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -67,31 +66,17 @@ class Scheduler:
         self._clock = clock
         # Without the cache there is no prefix to prefer: lpm would be FCFS with extra work.
         self._lpm = config.scheduling_policy == "lpm" and config.enable_prefix_caching
-        groups = config.kv_cache_groups or ()
-        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
-        if len(groups) > 1:
-            if tier is not None:
-                raise ValueError("the second KV tier does not serve hybrid models yet")
-            self.kv_cache_manager = HybridKVCacheManager(
-                num_blocks=config.num_blocks,
-                block_size=config.block_size,
-                groups=groups,
-                enable_caching=config.enable_prefix_caching,
-                hash_algo=config.prefix_cache_hash,
-                event_listener=kv_event_listener,
-            )
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                num_blocks=config.num_blocks,
-                block_size=config.block_size,
-                enable_caching=config.enable_prefix_caching,
-                hash_algo=config.prefix_cache_hash,
-                event_listener=kv_event_listener,
-                tier=tier,
-                window=groups[0].window if groups else None,
-            )
+        self.kv_cache_manager = kv_cache_manager_for(
+            config.kv_cache_groups,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_cache_hash,
+            event_listener=kv_event_listener,
+            tier=tier,
+        )
         # A hybrid model's other groups' tables ride with each scheduled request.
-        self._group_tables = self.kv_cache_manager.get_group_block_ids if len(groups) > 1 else None
+        self._group_tables = getattr(self.kv_cache_manager, "get_group_block_ids", None)
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
         # Arrival order; preempted requests go to the head.
         self.waiting: deque[Request] = deque()
@@ -131,9 +116,8 @@ class Scheduler:
                 f"prompt of {num_prompt} tokens leaves no room for an output token: "
                 f"prompt + 1 must be <= max_model_len={cfg.max_model_len}"
             )
-        # The KV cache holds every token but the last one sampled, so a request
-        # that runs to its end needs this many tokens' worth of blocks at once (fewer in
-        # a sliding-window group).
+        # The KV cache holds every token but the last one sampled, so a request that runs
+        # to its end needs this many tokens' worth of blocks at once (fewer under a window).
         max_len = min(num_prompt + request.sampling_params.max_tokens, cfg.max_model_len)
         needed_blocks = self.kv_cache_manager.max_blocks(max_len - 1, cfg.max_num_batched_tokens)
         # Pinned blocks never come free: a request must fit in the others.

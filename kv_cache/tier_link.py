@@ -1,0 +1,81 @@
+"""TierLink: what moves between the block pool and the second KV tier (host_tier.py).
+
+The pool evicts a cached block: its bytes must reach the tier before the block is reused
+(an offload). A lookup that misses in the pool continues in the tier: the blocks it brings
+back are cached in free blocks at once, their bytes written before the next step runs (a
+load). The manager owns one link; the engine takes the pending moves between a schedule()
+and the step that runs it (`KVCacheManager.take_tier_moves`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kv_cache.block import BlockHash, KVCacheBlock
+from kv_cache.block_pool import BlockPool, BlockRemoved, EventListener, KVCacheEvent
+from kv_cache.host_tier import HostTier
+
+
+class _Request(Protocol):
+    all_token_ids: list[int]
+
+
+class TierLink:
+    def __init__(self, tier: HostTier, event_listener: EventListener | None) -> None:
+        self.tier = tier
+        self._event_listener = event_listener
+        self._offloads: list[tuple[int, BlockHash]] = []  # evicted: copy out before reuse
+        self._loads: dict[int, tuple[BlockHash, bytes]] = {}  # brought back: copy in
+
+    def on_pool_event(self, event: KVCacheEvent) -> None:
+        """The pool's listener: an evicted block's bytes are to be copied out."""
+        if isinstance(event, BlockRemoved):
+            pending = self._loads.pop(event.block_id, None)
+            # A block brought back and evicted again before its bytes arrived: the tier
+            # still holds it, and the pool never held its contents.
+            if pending is None and event.block_hash not in self.tier:
+                self._offloads.append((event.block_id, event.block_hash))
+        if self._event_listener is not None:
+            self._event_listener(event)
+
+    def restore(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        req: _Request,
+        hashes: Sequence[BlockHash],
+        hits: list[KVCacheBlock],
+    ) -> list[KVCacheBlock]:
+        """The blocks the tier gives back to continue `hits` (req's cached prefix in the
+        pool; `hashes` its block hashes), when the pool has room for the whole request:
+        each is cached in a free block now, its bytes copied in before the next step."""
+        num_tokens = len(req.all_token_ids)
+        limit = (num_tokens - 1) // block_size  # as a lookup: the last token is computed
+        first = len(hits)
+        if first >= limit or hashes[first] not in self.tier:
+            return []
+        # The request's hits stay out of reach while blocks are taken from the free head.
+        needed = -(-num_tokens // block_size) - first
+        if needed > len(pool.free_block_queue) - sum(1 for b in hits if b.ref_cnt == 0):
+            return []
+        pool.touch(hits)
+        restored = []
+        for index in range(first, limit):
+            data = self.tier.get(hashes[index])  # None: absent, or torn (dropped)
+            if data is None:
+                break
+            block = pool.adopt(hashes, index)
+            self._loads[block.block_id] = (hashes[index], data)
+            restored.append(block)
+        pool.free_blocks(reversed(hits))
+        return restored
+
+    def take(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
+        """What the engine must do before the step it is about to run, and forget it:
+        (evicted blocks to copy into the tier under their hash, the bytes of blocks
+        brought back to write into them). Copy the evicted ones out before writing the
+        others in: a block can be both."""
+        offloads, self._offloads = self._offloads, []
+        loads, self._loads = self._loads, {}
+        return offloads, {block_id: data for block_id, (_, data) in loads.items()}
