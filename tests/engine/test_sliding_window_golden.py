@@ -1,7 +1,8 @@
 """Sliding-window models token for token with transformers (float32 greedy), on requests
 longer than the window: every layer windowed (Mistral v0.1: one KV cache group), and
-windowed layers beside full ones (Qwen2's `max_window_layers`: a hybrid model of two
-groups over one pool), through prefix-cache hits, chunked prefill and preemption."""
+windowed layers beside full ones (Qwen2's `max_window_layers`, Gemma 3 one to one and five
+to one: hybrid models of two and six groups over one pool), through prefix-cache hits,
+chunked prefill and preemption."""
 
 from __future__ import annotations
 
@@ -18,31 +19,40 @@ from tests.engine.tiny_models import make_tiny_model_dir
 
 WINDOW = 12
 NEW_TOKENS = 20
+GEMMA3_5_TO_1 = ["sliding_attention"] * 5 + ["full_attention"]
+# name: (transformers' model type, config overrides, the same model with full attention)
 MODELS = {
-    "mistral": {"sliding_window": WINDOW},
+    "mistral": ("mistral", {"sliding_window": WINDOW}, {"sliding_window": None}),
     # layer 0 full, layer 1 sliding
-    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
-}
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW,
+                        "max_window_layers": 1}, {}),
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW}, {"sliding_window": 4096}),
+    "gemma3-5to1": ("gemma3_text", {"sliding_window": WINDOW, "num_hidden_layers": 6,
+                                    "layer_types": GEMMA3_5_TO_1},
+                    {"sliding_window": 4096, "num_hidden_layers": 6,
+                     "layer_types": GEMMA3_5_TO_1}),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def windowed(request, tmp_path_factory):
-    arch = request.param
-    path = make_tiny_model_dir(tmp_path_factory.mktemp(arch), arch=arch, seed=3, **MODELS[arch])
+    arch, overrides, _ = MODELS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_model_dir(path, arch=arch, seed=3, **overrides)
     prompts = random_prompts(seed=5, n=8, vocab=1000, shared_prefix=24)
-    return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+    return request.param, path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
 
 
 def test_the_window_changes_transformers_output(windowed, tmp_path):
     """Without this the tests below would pass with the window ignored."""
-    path, prompts, expected = windowed
-    arch = "mistral" if "mistral" in str(path) else "qwen2"
-    full = make_tiny_model_dir(tmp_path / "full", arch=arch, seed=3)
+    name, _, prompts, expected = windowed
+    arch, _, full_attention = MODELS[name]
+    full = make_tiny_model_dir(tmp_path / "full", arch=arch, seed=3, **full_attention)
     assert hf_greedy(full, prompts, NEW_TOKENS) != expected
 
 
 def test_windowed_batch_with_hits_matches_transformers(windowed):
-    path, prompts, expected = windowed
+    _, path, prompts, expected = windowed
     llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256)
     assert engine_greedy(llm, prompts[:1], NEW_TOKENS) == expected[:1]  # warms the prefix
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
@@ -54,16 +64,27 @@ def test_windowed_batch_with_hits_matches_transformers(windowed):
 
 
 # Pools too small for the batch: every request of the all-windowed model holds at most
-# window / block_size + 2 blocks of 4 tokens plus its chunk's (8 x 6 > 12), the hybrid one
-# also every block of its full layer (84 tokens: 21 blocks).
-POOL_BLOCKS = {"mistral": 12, "qwen2": 30}
+# window / block_size + 2 blocks of 4 tokens plus its chunk's (8 x 6 > 12), a hybrid one
+# also every block of its full layers' group (84 tokens: 21 blocks).
+POOL_BLOCKS = {"mistral": 12, "qwen2": 30, "gemma3": 30, "gemma3-5to1": 60}
 
 
 def test_windowed_preemption_and_chunking_match_transformers(windowed):
-    path, prompts, expected = windowed
-    arch = "mistral" if "mistral" in str(path) else "qwen2"
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=POOL_BLOCKS[arch],
+    name, path, prompts, expected = windowed
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=POOL_BLOCKS[name],
               max_num_batched_tokens=10)  # fmt: skip
     assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm)
+
+
+def test_a_hybrid_models_groups_share_the_cache_tensors(windowed):
+    """Gemma 3's five-to-one layout is six groups of one layer: one K/V tensor pair, shared,
+    so a block costs one layer's memory (the budget buys six times the blocks)."""
+    name, path, _, _ = windowed
+    core = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=64).engine.core
+    groups = core.config.kv_cache_groups
+    tensors = {caches[0].data_ptr() for caches in core.runner.kv_caches}
+    expected = {"mistral": (1, 2), "qwen2": (2, 1), "gemma3": (2, 1), "gemma3-5to1": (6, 1)}
+    assert (len(groups), len(tensors)) == expected[name]
+    assert core.config.kv_cache_tensors == len(tensors)
