@@ -16,6 +16,7 @@ attention metadata.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kv_cache.block import KVCacheBlock
@@ -25,7 +26,7 @@ from kv_cache.host_tier import HostTier
 from kv_cache.invariants import check_ref_counts
 from kv_cache.manager import KVCacheManager, RequestLike
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
-from kv_cache.stats import BlockCounts, PrefixCacheStats
+from kv_cache.stats import BlockCounts, GroupBlocks, PrefixCacheStats
 
 GroupHits = list[list[KVCacheBlock | None]]
 
@@ -151,15 +152,17 @@ class HybridKVCacheManager:
         return [b for group in self.groups for b in group.get_blocks(request_id)]
 
     def block_counts(self) -> BlockCounts:
-        return self.block_pool.block_counts()
-
-    def group_blocks_in_use(self) -> list[int]:
-        """Blocks the running requests hold in each group (the dashboard's per-group view)."""
-        return [sum(len(t) for t, _ in group.held_tables()) for group in self.groups]
+        """The pool's counts, with each group's in-use blocks (O(groups))."""
+        groups = tuple(
+            GroupBlocks(g, "full" if m.window is None else f"sliding_window={m.window}",
+                        m.num_blocks_in_use)
+            for g, m in enumerate(self.groups)
+        )  # fmt: skip
+        return dataclasses.replace(self.block_pool.block_counts(), groups=groups)
 
     def snapshot(self, max_prefixes: int = 10) -> PoolSnapshot:
         tables = [t for group in self.groups for t in group.held_tables()]
-        return take_snapshot(self.block_pool, tables, max_prefixes)
+        return take_snapshot(self.block_pool, tables, max_prefixes, self.block_counts())
 
     def pin(self, token_ids: list[int], extra_keys: tuple = ()) -> int:
         raise ValueError("pinning a prefix is not supported for hybrid models yet")

@@ -127,6 +127,9 @@ class KVCacheManager:
         self.tier_link = TierLink(tier, event_listener) if tier is not None else None
         listener = self.tier_link.on_pool_event if self.tier_link else event_listener
         self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, listener)
+        # The pool's blocks this group holds (each held block belongs to one group): kept as
+        # the free queue shrinks and grows under this manager's calls, so it is O(1).
+        self.num_blocks_in_use = 0
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestState] = {}
         # Blocks pinned resident (`pin`): each holds one reference for the manager's life.
@@ -282,7 +285,7 @@ class KVCacheManager:
             return
         blocks = self.block_pool.blocks
         passed = state.block_ids[state.num_skipped : first_read]
-        self.block_pool.free_blocks([blocks[i] for i in reversed(passed)])
+        self._release([blocks[i] for i in reversed(passed)])
         state.block_ids = (SKIPPED,) * first_read + state.block_ids[first_read:]
         state.num_skipped = first_read
 
@@ -297,7 +300,9 @@ class KVCacheManager:
             self._count_lookup(state)
         if hits:
             held = [block for block in hits if block is not None]
+            free = len(self.block_pool.free_block_queue)
             self.block_pool.touch(held)
+            self.num_blocks_in_use += free - len(self.block_pool.free_block_queue)
             state.num_skipped = len(hits) - len(held)
             state.block_ids += (SKIPPED,) * state.num_skipped
             state.block_ids += tuple([block.block_id for block in held])
@@ -315,6 +320,7 @@ class KVCacheManager:
         num_new_blocks = -(-num_tokens // block_size) - len(state.block_ids)
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
+            self.num_blocks_in_use += num_new_blocks
             state.block_ids += tuple([block.block_id for block in new_blocks])
         else:
             new_blocks = []
@@ -396,7 +402,13 @@ class KVCacheManager:
         if state is not None and state.block_ids:
             blocks = self.block_pool.blocks
             held = state.block_ids[state.num_skipped :]
-            self.block_pool.free_blocks([blocks[i] for i in reversed(held)])
+            self._release([blocks[i] for i in reversed(held)])
+
+    def _release(self, ordered: list[KVCacheBlock]) -> None:
+        """`BlockPool.free_blocks`, counting the blocks that no request holds any more."""
+        free = len(self.block_pool.free_block_queue)
+        self.block_pool.free_blocks(ordered)
+        self.num_blocks_in_use -= len(self.block_pool.free_block_queue) - free
 
     def trim(self, req: RequestLike) -> int:
         """Free the blocks past the ones req.num_computed_tokens need: those a speculative
@@ -411,6 +423,7 @@ class KVCacheManager:
         state.block_ids = state.block_ids[:keep]
         blocks = self.block_pool.blocks
         self.block_pool.free_unwritten([blocks[i] for i in reversed(extra)])
+        self.num_blocks_in_use -= len(extra)  # each had this request as its only holder
         return len(extra)
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
@@ -477,7 +490,9 @@ class KVCacheManager:
             matched.append(block)
         held = {id(block) for block in self._pinned}
         new = [block for block in matched if id(block) not in held]  # pinned twice: held once
+        free = len(self.block_pool.free_block_queue)
         self.block_pool.touch(new)
+        self.num_blocks_in_use += free - len(self.block_pool.free_block_queue)
         self._pinned.extend(new)
         return len(matched) * self.block_size
 
@@ -494,4 +509,9 @@ class KVCacheManager:
     def count_holders(self) -> list[int]:
         """How many of this group's tables and pins hold each block of the pool, checking
         each table on the way (kv_cache/invariants.py)."""
-        return count_holders(self.block_pool, self._requests, self._pinned, self.window)
+        holders = count_holders(self.block_pool, self._requests, self._pinned, self.window)
+        held = sum(1 for n in holders if n)
+        if held != self.num_blocks_in_use:
+            raise AssertionError(f"{held} blocks are held but the group counts "
+                                 f"{self.num_blocks_in_use} in use")  # fmt: skip
+        return holders

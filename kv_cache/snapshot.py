@@ -50,7 +50,10 @@ RequestTable = tuple[Sequence[int], BlockHash | None]
 
 
 def take_snapshot(
-    pool: BlockPool, tables: Sequence[RequestTable], max_prefixes: int
+    pool: BlockPool,
+    tables: Sequence[RequestTable],
+    max_prefixes: int,
+    counts: BlockCounts | None = None,  # the manager's, with its groups' (else the pool's)
 ) -> PoolSnapshot:
     blocks = pool.blocks
     codes = bytes([2 if b.ref_cnt else b.block_hash is not None for b in blocks])
@@ -78,4 +81,4 @@ def take_snapshot(
             )
         )
     states = codes.translate(_STATE_CHARS).decode("ascii")
-    return PoolSnapshot(states, pool.block_counts(), tuple(prefixes))
+    return PoolSnapshot(states, counts or pool.block_counts(), tuple(prefixes))

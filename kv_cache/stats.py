@@ -28,6 +28,15 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """The blocks one KV cache group (kv_cache/groups.py) of a hybrid model holds."""
+
+    group: int
+    attention: str  # "full", or "sliding_window=W" (W tokens)
+    in_use: int
+
+
+@dataclass(frozen=True, slots=True)
 class BlockCounts:
     """The pool's blocks by state; the three states add up to `total`.
 
@@ -38,6 +47,8 @@ class BlockCounts:
     free: int = 0  # in the free queue holding nothing reusable (never used, or evicted)
     cached: int = 0  # in the free queue but still holding a reusable prefix (a hit revives it)
     in_use: int = 0  # held by at least one request
+    # A hybrid model's in-use blocks by group (they add up to in_use); () for one group.
+    groups: tuple[GroupBlocks, ...] = ()
 
     @property
     def total(self) -> int:

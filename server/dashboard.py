@@ -47,6 +47,12 @@ PREVIEW_CHARS = 80  # a prefix's text is cut here (the page shows it as text, ne
 PAGE_HTML = resources.files("server").joinpath("static/dashboard.html").read_text("utf-8")
 
 
+class GroupBlocksModel(BaseModel):
+    group: int = Field(description="The KV cache group: layers of one attention kind.")
+    attention: str = Field(description='"full", or "sliding_window=W" (W tokens).')
+    in_use: int = Field(description="Of the in-use blocks, the ones this group holds.")
+
+
 class BlockCountsModel(BaseModel):
     free: int = Field(description="Blocks holding nothing reusable (never used, or evicted).")
     cached: int = Field(description="Free blocks still holding a reusable prefix.")
@@ -86,6 +92,10 @@ class DashboardState(BaseModel):
     num_blocks: int
     block_size: int = Field(description="Tokens per block.")
     blocks: BlockCountsModel
+    groups: list[GroupBlocksModel] = Field(
+        description="A hybrid model's in-use blocks by KV cache group (they add up to "
+        "blocks.in_use); empty for a model of one group."
+    )
     block_states: str = Field(
         description='One character per block, by block id: "f" free, "c" cached, "u" in use.'
     )
@@ -181,6 +191,10 @@ class DashboardSnapshots:
             blocks=BlockCountsModel(
                 free=snap.counts.free, cached=snap.counts.cached, in_use=snap.counts.in_use
             ),
+            groups=[
+                GroupBlocksModel(group=g.group, attention=g.attention, in_use=g.in_use)
+                for g in snap.counts.groups
+            ],
             block_states=snap.block_states,
             prefix_cache=PrefixCacheModel(
                 queries=taken.queries,

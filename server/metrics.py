@@ -258,8 +258,18 @@ class _KVBlocksCollector(Collector):
             by_state.add_metric([HOST_TIER, "free"], stats.tier_num_blocks - held)
             by_state.add_metric([HOST_TIER, "in_use"], 0)
             total.add_metric([HOST_TIER], stats.tier_num_blocks)
+        by_group = GaugeMetricFamily(
+            PREFIX + "kv_cache_group_blocks_in_use",
+            "A hybrid model's in-use KV blocks by KV cache group (layers of one attention "
+            "kind: full, or a sliding window of W tokens, which holds about W / block_size "
+            "blocks a request); absent for a model of one group.",
+            labels=["group", "attention"],
+        )
+        for group in counts.groups if counts is not None else ():
+            by_group.add_metric([str(group.group), group.attention], group.in_use)
         yield by_state
         yield total
+        yield by_group
 
 
 class StatsLogger:

@@ -217,3 +217,20 @@ def test_hybrid_takes_every_groups_hits_before_any_group_takes_new_blocks():
     assert not set(full) & set(sliding)
     assert sliding[:2] == tuple(h.block_id for h in hits[1])
     mgr.check_invariants()
+
+
+def test_hybrid_block_counts_say_what_each_group_holds():
+    mgr = hybrid(num_blocks=64)  # groups: full, then a window of 8 tokens
+    req = Req("a", list(range(10)))
+    admit(mgr, req)
+    for t in range(20):
+        decode(mgr, req, t)
+    counts = mgr.block_counts()
+    full, sliding = counts.groups
+    assert (full.attention, sliding.attention) == ("full", "sliding_window=8")
+    assert full.in_use == len(mgr.groups[0].get_blocks("a")) == 8  # 30 tokens, every block
+    assert sliding.in_use == len(mgr.groups[1].get_blocks("a")) <= 8 // 4 + 2
+    assert full.in_use + sliding.in_use == counts.in_use
+    mgr.check_invariants()
+    mgr.free(req)
+    assert [g.in_use for g in mgr.block_counts().groups] == [0, 0]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from server.dashboard import PREVIEW_CHARS, SNAPSHOT_INTERVAL_S
+from tests.engine.tiny_models import make_tiny_model_dir
 from tests.server.conftest import (
     RunningServer,
     assert_openai_error,
@@ -59,7 +60,7 @@ def complete(server: RunningServer, prompt: str, max_tokens: int = 4) -> None:
 def test_a_fresh_server_shows_an_all_free_pool(tiny_model_dir):
     with running_server(make_engine(tiny_model_dir, num_blocks=64)) as fresh:
         s = state(fresh, fresh=False)
-        assert s["blocks"] == {"free": 64, "cached": 0, "in_use": 0}
+        assert s["blocks"] == {"free": 64, "cached": 0, "in_use": 0} and s["groups"] == []
         assert s["block_states"] == "f" * 64 and s["num_blocks"] == 64
         assert s["prefixes"] == [] and s["prefix_cache"]["hit_rate"] == 0
         assert s["requests"] == {"running": 0, "waiting": 0}
@@ -222,3 +223,24 @@ def test_openapi_documents_the_state_route_not_the_page(server):
     assert "/dashboard" not in paths
     documented = paths["/dashboard/state"]["get"]["responses"]
     assert {"200", "400", "401", "501", "503"} <= set(documented)
+
+
+def test_a_hybrid_models_groups_show_on_the_page_and_in_metrics(tmp_path):
+    """One full and one sliding-window layer (two KV cache groups): each group's in-use
+    blocks, by its attention kind, in the state and in /metrics; all back to 0 after."""
+    model = make_tiny_model_dir(tmp_path / "hybrid", use_sliding_window=True, arch="qwen2",
+                                sliding_window=32, max_window_layers=1)  # fmt: skip
+    with running_server(make_engine(model, num_blocks=64)) as hybrid:
+        complete(hybrid, "a fairly long prompt " * 20, max_tokens=8)
+        s = state(hybrid)
+        assert s["groups"] == [
+            {"group": 0, "attention": "full", "in_use": 0},
+            {"group": 1, "attention": "sliding_window=32", "in_use": 0},
+        ]
+        gauges = {k[1]: v for k, v in hybrid.metrics().items()
+                  if k[0] == "pagedserve:kv_cache_group_blocks_in_use"}  # fmt: skip
+        assert gauges == {
+            (("attention", "full"), ("group", "0")): 0,
+            (("attention", "sliding_window=32"), ("group", "1")): 0,
+        }
+        assert s["prefix_cache"]["queries"] > 0 and s["blocks"]["cached"] > 0
