@@ -232,9 +232,13 @@ def _token_ids(gguf: GGUFFile) -> dict[str, int | None]:
             "unk_token_id": get("tokenizer.ggml.unknown_token_id")}  # fmt: skip
 
 
-def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+def generation_config(config: dict[str, Any], eos_ids: list[int] | None = None) -> dict[str, Any]:
     """generation_config.json as transformers' `GenerationConfig.from_model_config` writes
-    it from this config: its token ids (the eos that ends generation among them)."""
-    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {"_from_model_config": True,
-            **{name: config[name] for name in ids if config.get(name) is not None}}  # fmt: skip
+    it from this config (its token ids), with ``eos_ids`` (the ids that end generation, when
+    there are more than the config's eos: a chat model's end of turn) as its eos."""
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")
+    generation = {"_from_model_config": True,
+                  **{name: config[name] for name in names if config.get(name) is not None}}  # fmt: skip
+    if eos_ids and eos_ids != [config.get("eos_token_id")]:
+        generation["eos_token_id"] = list(eos_ids)
+    return generation

@@ -124,6 +124,7 @@ class GGUFFile:
         self.metadata = _read_metadata(cursor, kvs)
         alignment = _alignment(cursor, self.metadata)
         self.tensors = _read_tensor_table(cursor, tensors, alignment)
+        self._arrays: dict[str, list[str] | np.ndarray] = {}
 
     def array(self, info: TensorInfo) -> np.ndarray:
         return self.data[info.offset : info.offset + info.nbytes]
@@ -135,6 +136,12 @@ class GGUFFile:
         info = self.metadata.get(key)
         if not isinstance(info, ArrayInfo):
             return None
+        if key in self._arrays:
+            return self._arrays[key]
+        self._arrays[key] = values = self._read_array(info)
+        return values
+
+    def _read_array(self, info: ArrayInfo) -> list[str] | np.ndarray:
         if info.type != _STRING:
             dtype = np.dtype("<" + _SCALARS[info.type]) if info.type != 7 else np.dtype(bool)
             end = info.offset + info.count * dtype.itemsize

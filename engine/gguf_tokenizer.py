@@ -30,11 +30,26 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+_CASED = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+          r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*")  # fmt: skip
+_TEKKEN = f"{_CASED[0]}|{_CASED[1]}" + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (f"{_CASED[0]}{_CONTRACTIONS}|{_CASED[1]}{_CONTRACTIONS}"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 SPLIT_REGEXES = {
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3,
     "dbrx": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
-    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2, "qwen35": _QWEN35,
+    "tekken": _TEKKEN, "gpt-4o": _GPT4O, "llama4": _GPT4O,
 }  # fmt: skip
+
+
+# Control tokens that end an assistant's turn in their families' chat templates; llama.cpp
+# ends generation at them too (llama-vocab.cpp's end-of-generation tokens), while a file's
+# eos is often the end of a document (Gemma 3: <eos>, its turns end with <end_of_turn>).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 
 @lru_cache(maxsize=1)
@@ -162,6 +177,21 @@ def derive_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[s
     # a stable sort: equal keys keep the order above, as transformers' generate_merges has it
     found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     return [(a, b) for _, a, b in found]
+
+
+def end_of_generation_ids(gguf: GGUFFile) -> list[int]:
+    """The ids that end generation: the file's eos, its eot/eom ids, and its control tokens
+    of `END_OF_TURN_TOKENS` (in that order, once each)."""
+    meta = gguf.metadata
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = gguf.read_array("tokenizer.ggml.tokens") or []
+    types = gguf.read_array("tokenizer.ggml.token_type")
+    if types is not None and len(types) == len(tokens):
+        wanted = set(END_OF_TURN_TOKENS)
+        ids += [i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+                if k == CONTROL and t in wanted]  # fmt: skip
+    valid = (i for i in ids if isinstance(i, int) and 0 <= i < max(len(tokens), 1))
+    return list(dict.fromkeys(valid))
 
 
 def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:

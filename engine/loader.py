@@ -44,7 +44,7 @@ from engine.errors import ModelFileError
 from engine.gguf_config import generation_config, gguf_config
 from engine.gguf_fast_tokenizer import FastTokenizer
 from engine.gguf_file import GGUFFile
-from engine.gguf_tokenizer import gguf_tokenizer, tokenizer_config
+from engine.gguf_tokenizer import end_of_generation_ids, gguf_tokenizer, tokenizer_config
 from engine.gguf_weights import gguf_arch, hf_name, read_tensors
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config
@@ -214,7 +214,8 @@ def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
         check_config(ModelConfig(**config), gguf_shapes(table), gguf_path)  # refused, not cached
         tokenizer = FastTokenizer(gguf_tokenizer(table), tokenizer_config(table))
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", generation_config(config))
+    eos = end_of_generation_ids(table)
+    _write_json(out_dir / "generation_config.json", generation_config(config, eos))
     tokenizer.save_pretrained(out_dir)
 
 

@@ -124,7 +124,7 @@ def _write_gguf(
 # -- tiny random models of each family, written as llama.cpp's converter writes them ---------
 
 # transformers' model_type -> llama.cpp's architecture
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
               "smollm3": "smollm3", "phi3": "phi3"}  # fmt: skip
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 _PLUS_ONE_NORMS = ("gemma3",)  # Gemma3Model.norm_shift
@@ -172,7 +172,8 @@ def write_family_gguf(path: Path, model, vocab: dict, template: str | None = Non
     config = model.config
     arch = GGUF_ARCHS[config.model_type]
     w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
+    # llama.cpp writes Mistral as llama; transformers' reader knows it by this name
+    w.add_name("mistral" if config.model_type == "mistral" else f"tiny-{arch}")
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.gguf_weights import GGUFTensor
-from engine.loader import convert_gguf, iter_weights, load_tokenizer
+from engine.loader import convert_gguf, iter_weights, load_generation_eos, load_tokenizer
 from engine.model_config import FIELD_TYPES, read_model_config
 from tests.engine.gguf_models import bpe_vocab, spm_vocab, write_family_gguf
 from tests.engine.test_loader import default_tokenizer
@@ -35,6 +35,10 @@ FAMILIES = {
     "llama": ({"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True,
                "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}, "bpe",
               "smollm"),
+    # a SentencePiece vocabulary under arch llama (Mistral 7B, Llama 2): the prefix space
+    "mistral": ({"num_hidden_layers": 2, "sliding_window": None,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "spm",
+                None),
     "qwen3": ({"num_hidden_layers": 2, "head_dim": 24, "tie_word_embeddings": True,
                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}, "bpe",
               "qwen2"),
@@ -149,7 +153,7 @@ def test_weights_are_transformers_names_and_values(model_type, tmp_root):
         assert torch.allclose(dense, reference[name], rtol=0, atol=1e-7), name
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "gemma3_text", "phi3"])
 def test_tokenizer_ids_equal_transformers_gguf_tokenizer(model_type, tmp_root):
     # (smollm3: transformers' GGUF reader refuses the architecture)
     path, model_dir, _ = family_gguf(model_type, tmp_root)
@@ -177,6 +181,14 @@ def test_tokenizer_ids_equal_transformers_gguf_tokenizer(model_type, tmp_root):
                                                      tokenize=False)  # fmt: skip
 
 
+def test_every_pre_tokenizer_split_is_the_one_transformers_gguf_reader_uses():
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from engine.gguf_tokenizer import SPLIT_REGEXES
+
+    assert {name: GGUF_PRE_TOKENIZER_SPLITS[name] for name in SPLIT_REGEXES} == SPLIT_REGEXES
+
+
 def test_default_model_tokens_and_chat_equal_transformers_gguf_reader():
     from engine.loader import default_gguf_path
 
@@ -193,6 +205,16 @@ def test_default_model_tokens_and_chat_equal_transformers_gguf_reader():
             theirs = reference.apply_chat_template(chat, add_generation_prompt=prompt,
                                                    tokenize=False)  # fmt: skip
             assert ours == theirs
+
+
+def test_a_chat_models_end_of_turn_ends_generation(tmp_root):
+    # Gemma 3's file names <eos> as eos; its turns end with <end_of_turn>, where llama.cpp
+    # (and Gemma's own generation_config.json) stop too
+    _, model_dir, _ = family_gguf("gemma3_text", tmp_root)
+    tokenizer = load_tokenizer(model_dir)
+    assert load_generation_eos(model_dir) == {1, tokenizer.convert_tokens_to_ids("<end_of_turn>")}
+    _, model_dir, _ = family_gguf("llama", tmp_root)  # SmolLM2's vocabulary: <|im_end|> alone
+    assert load_generation_eos(model_dir) == {2}
 
 
 def test_a_template_is_rendered_in_a_sandbox(tmp_root):
