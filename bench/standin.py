@@ -25,6 +25,10 @@ The shapes (vocabulary: the tokenizer's 49152, not the original's):
 
 * ``360m``: SmolLM2-360M's; ``1b``: TinyLlama-1.1B's; ``3b``: Llama-3.2-3B's;
   ``8b``: Llama-3-8B's (32 layers of 4096, 14336 MLP, 8 KV heads).
+* The families of 2026 (`FAMILY_SHAPES`), built by transformers' own model class from its
+  config (its random initialisation, bf16): ``qwen3-0.6b``, ``qwen3-1.7b`` (q/k norms,
+  head_dim 128) and ``gemma3-1b`` (26 layers, one full layer in six, the others over a
+  512-token window; one KV head of 256).
 """
 
 from __future__ import annotations
@@ -50,17 +54,50 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# name: (transformers' model_type, its config's shape); every other field is the config
+# class's default (Gemma 3's rope bases, its five-to-one sliding layout, ...).
+FAMILY_SHAPES = {
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 tie_word_embeddings=True)),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 tie_word_embeddings=True)),
+    "gemma3-1b": ("gemma3_text", dict(hidden_size=1152, intermediate_size=6912,
+                                      num_hidden_layers=26, num_attention_heads=4,
+                                      num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                      query_pre_attn_scalar=256, tie_word_embeddings=True)),
+}  # fmt: skip
+
+
+def write_family_dir(name: str, out: Path, seed: int, tokenizer_dir: Path) -> Path:
+    """A `FAMILY_SHAPES` model's directory: transformers' class of its model_type, randomly
+    initialised from its config in bf16, with the default model's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, shape = FAMILY_SHAPES[name]
+    config = AutoConfig.for_model(model_type, vocab_size=49152, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=2, **shape)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, out / file)
+    return out
 
 
 def write_hf_dir(size: str, out: Path, seed: int = 0, tokenizer_dir: Path | None = None) -> Path:
     """A LlamaForCausalLM directory of shape ``size``: random bf16 weights (normal, std
     0.02; norms 1), the tokenizer of ``tokenizer_dir`` (default: the default model's),
-    one safetensors shard per layer."""
+    one safetensors shard per layer; or a `FAMILY_SHAPES` model's (`write_family_dir`)."""
     from transformers import LlamaConfig
 
     from engine.loader import resolve_model_dir
 
     tokenizer_dir = tokenizer_dir or resolve_model_dir(None)
+    if size in FAMILY_SHAPES:
+        return write_family_dir(size, out, seed, tokenizer_dir)
     vocab = 49152
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, rope_theta=10000.0,
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -139,7 +176,7 @@ def make_ggufs(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("size", choices=sorted(SHAPES))
+    parser.add_argument("size", choices=sorted(SHAPES) + sorted(FAMILY_SHAPES))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--hf-only",
