@@ -207,6 +207,21 @@ def test_default_model_tokens_and_chat_equal_transformers_gguf_reader():
             assert ours == theirs
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "smollm3", "gemma3_text", "phi3"])
+def test_a_family_gguf_serves_transformers_greedy_tokens(model_type, tmp_root):
+    # the converter's file of the model, served float32: the tokens transformers generates
+    from engine import LLM, SamplingParams
+
+    path, _, model = family_gguf(model_type, tmp_root)
+    prompt = [5, 17, 300, 42, 99, 7, 250, 11]
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, cache_dir=f"{tmp_root}/cache")
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == ids
+
+
 def test_a_chat_models_end_of_turn_ends_generation(tmp_root):
     # Gemma 3's file names <eos> as eos; its turns end with <end_of_turn>, where llama.cpp
     # (and Gemma's own generation_config.json) stop too
