@@ -37,7 +37,8 @@ class DecodeStack:
             return None
         layers = [
             ops.DecoderLayer(layer.input_layernorm, layer.post_attention_layernorm,
-                             *(linear.stack_projection(ops) for linear in layer.linears()))
+                             *(linear.stack_projection(ops) for linear in layer.linears()),
+                             layer.self_attn.q_norm, layer.self_attn.k_norm)
             for layer in model.layers
         ]  # fmt: skip
         arch = model.arch

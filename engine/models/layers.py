@@ -83,7 +83,6 @@ class Architecture:
         or None."""
         reasons = [
             self.layer_ops_misfit() or "",
-            "q/k norms" if self.qk_norm else "",
             "per-layer rotary" if len(set(self.layer_rope) - {"default"}) else "",
             "attention scale" if self.attn_scale is not None else "",
             "embedding scale" if self.embed_scale is not None else "",

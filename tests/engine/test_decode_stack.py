@@ -50,6 +50,13 @@ def test_decode_stack_equals_the_python_layers_bit_for_bit(tmp_path, quantizatio
 
 
 @pytest.mark.parametrize("batch", [1, 3])
+def test_qwen3s_qk_norms_run_in_the_stack_bit_for_bit(tmp_path, batch):
+    path = make_tiny_model_dir(tmp_path, "qwen3")
+    llm = LLM(model=str(path), dtype="bfloat16", num_blocks=32)
+    _assert_stack_equals_python_layers(llm, batch)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
 def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, batch):
     # Every GGUF kernel type in one model, and a Q2_K projection served dequantized (bf16
     # through the skinny GEMM) among them: `auto` takes bf16 activations and the stack.

@@ -45,9 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ggml_types") = std::vector<int64_t>());
   py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection,
-                    Projection>(),
+                    Projection, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"));
+           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>(),

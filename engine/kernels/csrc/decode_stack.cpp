@@ -37,6 +37,21 @@ DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_n
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
 
+// The fused [T, (H + 2 KVH) * D] row with each head of q and k normed, v as it is: the
+// calls `Attention._norm_qk` makes (engine/models/layers.py), so bit for bit the same.
+static torch::Tensor norm_qk(const torch::Tensor& qkv, const DecoderLayer& layer, int64_t H,
+                             int64_t KVH, int64_t D, double eps) {
+  const int64_t T = qkv.size(0);
+  const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
+  const auto none = c10::optional<torch::Tensor>();
+  const torch::Tensor q =
+      std::get<0>(add_rms_norm(heads.narrow(1, 0, H).reshape({-1, D}), none, *layer.q_norm, eps));
+  const torch::Tensor k = std::get<0>(
+      add_rms_norm(heads.narrow(1, H, KVH).reshape({-1, D}), none, *layer.k_norm, eps));
+  return torch::cat({q.view({T, H, D}), k.view({T, KVH, D}), heads.narrow(1, H + KVH, KVH)}, 1)
+      .view(qkv.sizes());
+}
+
 torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                                    const torch::Tensor& sin,
                                    const std::vector<KVCache>& kv_caches,
@@ -53,8 +68,10 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
     const DecoderLayer& layer = layers_[i];
     torch::Tensor k_cache = kv_caches[i].first, v_cache = kv_caches[i].second;  // handles
     auto [x, stream] = add_rms_norm(delta, residual, layer.input_norm, eps_);
-    const torch::Tensor q = rope_write_kv(layer.qkv(x), cos, sin, k_cache, v_cache,
-                                          slot_mapping, num_heads_, num_kv_heads_);
+    torch::Tensor qkv = layer.qkv(x);
+    if (layer.q_norm) qkv = norm_qk(qkv, layer, num_heads_, num_kv_heads_, head_dim_, eps_);
+    const torch::Tensor q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping,
+                                          num_heads_, num_kv_heads_);
     const torch::Tensor attn =
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0);
     const torch::Tensor o = layer.o(attn.view({T, num_heads_ * head_dim_}));

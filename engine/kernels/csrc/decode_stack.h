@@ -23,6 +23,8 @@ struct Projection {
 struct DecoderLayer {
   torch::Tensor input_norm, post_attention_norm;
   Projection qkv, o, gate_up, down;
+  // Qwen3's per-head RMSNorms of q and k, before rotary (both or neither).
+  c10::optional<torch::Tensor> q_norm, k_norm;
 };
 
 // A layer's (K, V) cache, as the model runner holds them.
