@@ -213,8 +213,8 @@ def _write_gguf_metadata_dir(gguf_path: Path, out_dir: Path) -> None:
         config = gguf_config(table)
         check_config(ModelConfig(**config), gguf_shapes(table), gguf_path)  # refused, not cached
         tokenizer = FastTokenizer(gguf_tokenizer(table), tokenizer_config(table))
+        eos = end_of_generation_ids(table)
     _write_json(out_dir / "config.json", config)
-    eos = end_of_generation_ids(table)
     _write_json(out_dir / "generation_config.json", generation_config(config, eos))
     tokenizer.save_pretrained(out_dir)
 

@@ -232,6 +232,21 @@ def test_a_chat_models_end_of_turn_ends_generation(tmp_root):
     assert load_generation_eos(model_dir) == {2}
 
 
+def test_what_the_metadata_cannot_say_is_one_line_naming_the_file(tmp_path, tmp_root):
+    from engine.errors import ModelFileError
+
+    _, _, model = family_gguf("qwen3", tmp_root)
+    kinds = {"bert": "tokenizer kind 'bert'", "gpt2": "token types for"}
+    for kind, message in kinds.items():
+        vocab = {**bpe_vocab("qwen2"), "model": kind}
+        vocab["types"] = vocab["types"][: -1 if kind == "gpt2" else None]
+        path = write_family_gguf(tmp_path / f"{kind}.gguf", model, vocab)
+        with pytest.raises(ModelFileError, match=message) as refused:
+            convert_gguf(path, tmp_path / "cache")
+        assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing cached
+
+
 def test_a_template_is_rendered_in_a_sandbox(tmp_root):
     _, model_dir, _ = family_gguf("llama", tmp_root)
     tokenizer = load_tokenizer(model_dir)
