@@ -11,6 +11,7 @@ the architectures llama.cpp writes as `llama` (Llama, Mistral, SmolLM2), `qwen2`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,9 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
     head_dim = keys.get("attention.key_length") or keys.get("rope.dimension_count")
     if head_dim is not None and arch not in ("qwen2", "phi3"):
         config["head_dim"] = head_dim
+    if "rope_freqs.weight" in tensors and config["rope_parameters"]["rope_type"] == "default":
+        rotary = keys.get("rope.dimension_count") or head_dim or hidden // heads
+        config["rope_parameters"] = _llama3_rope(gguf, config["rope_parameters"], rotary)
     _FAMILY.get(arch, _plain)(config, keys, tensors)
     return config
 
@@ -201,8 +205,7 @@ def _vocab_size(gguf: GGUFFile, keys: _Keys) -> int:
 
 def _rope_parameters(keys: _Keys) -> dict[str, Any]:
     """transformers 5's `rope_parameters` from `{arch}.rope.freq_base` and `.rope.scaling.*`
-    (llama 3's frequency factors are a tensor, `rope_freqs.weight`, that transformers'
-    own GGUF reader leaves out too: default rope, as before)."""
+    (Llama 3's are a tensor: `_llama3_rope`)."""
     rope: dict[str, Any] = {"rope_theta": float(keys.get("rope.freq_base", 10000.0)),
                             "rope_type": "default"}  # fmt: skip
     kind = keys.get("rope.scaling.type")
@@ -221,6 +224,37 @@ def _rope_parameters(keys: _Keys) -> dict[str, Any]:
             value = keys.get(f"rope.scaling.{key}")
             if value is not None:
                 rope[name] = float(value)
+    return rope
+
+
+# The llama3 rope parameters of every released Llama 3.x (factor: the file's largest)
+_LLAMA3_FREQ_FACTORS = (1.0, 4.0)  # low_freq_factor, high_freq_factor
+_LLAMA3_ORIGINAL_CONTEXTS = (8192, 4096, 16384, 32768, 131072)
+
+
+def _llama3_rope(gguf: GGUFFile, rope: dict[str, Any], rotary: int) -> dict[str, Any]:
+    """Llama 3.1+'s "llama3" rope: the converter writes its per-frequency factors as the
+    tensor `rope_freqs.weight` and not its parameters. The parameters that give exactly
+    those factors (convert_hf_to_gguf's formula); the rope as it is when none do."""
+    factors = _float_values(gguf, "rope_freqs.weight")
+    if not factors or 2 * len(factors) != rotary:
+        return rope
+    base, factor = rope["rope_theta"], max(factors)
+    low, high = _LLAMA3_FREQ_FACTORS
+    for original in _LLAMA3_ORIGINAL_CONTEXTS:
+        expected = []
+        for i in range(len(factors)):
+            wavelength = 2 * math.pi * base ** (2 * i / rotary)
+            if wavelength < original / high:
+                expected.append(1.0)
+            elif wavelength > original / low:
+                expected.append(factor)
+            else:
+                smooth = (original / wavelength - low) / (high - low)
+                expected.append(1 / ((1 - smooth) / factor + smooth))
+        if all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(factors, expected, strict=True)):
+            return {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}  # fmt: skip
     return rope
 
 

@@ -203,6 +203,8 @@ def write_family_gguf(path: Path, model, vocab: dict, template: str | None = Non
             for kind in ("long", "short"):
                 factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
                 w.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     _write_vocab(w, vocab, template, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
@@ -221,6 +223,29 @@ def write_family_gguf(path: Path, model, vocab: dict, template: str | None = Non
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama3_factors(rope: dict, dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's rope_freqs for a "llama3" rope: per frequency, 1 where the
+    wavelength is short, the factor where long, interpolated between."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -35,6 +35,14 @@ FAMILIES = {
     "llama": ({"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True,
                "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}, "bpe",
               "smollm"),
+    # Llama 3.1+: its rope's parameters only as the converter's rope_freqs tensor
+    "llama3": ({"model_type": "llama", "num_hidden_layers": 2, "head_dim": 64,
+                "num_attention_heads": 1, "num_key_value_heads": 1,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                                    "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}}, "bpe",
+               "llama-bpe"),
     # a SentencePiece vocabulary under arch llama (Mistral 7B, Llama 2): the prefix space
     "mistral": ({"num_hidden_layers": 2, "sliding_window": None,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "spm",
@@ -86,7 +94,9 @@ def family_gguf(model_type: str, tmp_root: str) -> tuple:
 
     extra, kind, pre = FAMILIES[model_type]
     vocab = bpe_vocab(pre) if kind == "bpe" else spm_vocab()
-    config = AutoConfig.for_model(model_type, **SHAPE, **extra, vocab_size=len(vocab["tokens"]),
+    extra = dict(extra)
+    config = AutoConfig.for_model(extra.pop("model_type", model_type), **{**SHAPE, **extra},
+                                  vocab_size=len(vocab["tokens"]),
                                   bos_token_id=vocab["bos"], eos_token_id=vocab["eos"],
                                   pad_token_id=vocab["pad"])  # fmt: skip
     torch.manual_seed(0)
@@ -207,7 +217,7 @@ def test_default_model_tokens_and_chat_equal_transformers_gguf_reader():
             assert ours == theirs
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "smollm3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama3", "qwen3", "smollm3", "gemma3_text", "phi3"])
 def test_a_family_gguf_serves_transformers_greedy_tokens(model_type, tmp_root):
     # the converter's file of the model, served float32: the tokens transformers generates
     from engine import LLM, SamplingParams
