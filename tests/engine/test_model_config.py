@@ -38,7 +38,7 @@ from engine.models import get_model_class
 from engine.models.rotary import rope_inv_freq
 from engine.resolved_config import context_limit
 from tests.engine.test_llama import _configs
-from tests.engine.tiny_models import default_model_dir
+from tests.engine.tiny_models import default_model_dir, make_tiny_model_dir
 
 CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config,
@@ -167,10 +167,14 @@ def test_a_side_file_nested_past_the_parser_reads_as_absent(tmp_path):
     assert source_gguf(tmp_path) is None
 
 
-def test_the_tokenizer_is_the_one_autotokenizer_chooses():
+def test_the_tokenizer_is_the_one_autotokenizer_chooses(tmp_path):
+    """A Hugging Face directory's tokenizer is AutoTokenizer's class; a GGUF's is built from
+    the file without transformers (engine/gguf_fast_tokenizer.py) and encodes alike."""
+    hf_dir = make_tiny_model_dir(tmp_path / "hf")
+    assert type(load_tokenizer(hf_dir)) is type(AutoTokenizer.from_pretrained(hf_dir))
     folder = default_model_dir()
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    assert type(ours) is type(theirs)
+    assert type(ours).__module__ == "engine.gguf_fast_tokenizer"
     text = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
     assert ours.encode(text) == theirs.encode(text)
     assert ours.chat_template == theirs.chat_template
