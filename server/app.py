@@ -351,7 +351,8 @@ def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
     if body.messages is not None:
         # The chat endpoint's message rules (roles, text-only parts) apply here too.
         conversation = [plain_message(i, m) for i, m in enumerate(body.messages)]
-        text = apply_chat_template(tokenizer, conversation, body.add_generation_prompt is not False)
+        text = apply_chat_template(tokenizer, conversation, body.add_generation_prompt is not False,
+                                   template_kwargs=body.chat_template_kwargs)  # fmt: skip
         tokens = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     else:
         add_special = body.add_special_tokens is not False

@@ -70,12 +70,13 @@ async def create_chat_completion(
 
 
 def chat_prompt_text(ctx: ServingContext, req: ChatCompletionRequest) -> str:
-    """The request's messages and tools rendered by the chat template (server/tool_calls.py:
-    how tools, calls and results are shown on a template that has no place for them)."""
+    """The request's messages and tools rendered by the chat template, its
+    chat_template_kwargs as the template's extra variables (server/tool_calls.py: how
+    tools, calls and results are shown on a template that has no place for them)."""
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages, tools = template_input(req, conversation(req.messages), template)
     return apply_chat_template(ctx.tokenizer, messages, req.add_generation_prompt is not False,
-                               tools)  # fmt: skip
+                               tools, req.chat_template_kwargs)  # fmt: skip
 
 
 def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:

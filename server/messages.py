@@ -15,7 +15,9 @@ current SDK no longer sends (temperature, top_p, top_k) are still read, e.g. fro
 `extra_body`. A reasoning model's think block (server/reasoning.py) is a `thinking` block
 before the text; thinking blocks sent back in an assistant turn are taken and left out of
 the prompt. `thinking` "enabled" caps the block at its budget_tokens (chat's
-thinking_token_budget). Not served (a 400 naming it): image and document blocks.
+thinking_token_budget); "enabled" and "disabled" are also the template's
+`enable_thinking` (chat's chat_template_kwargs, which Qwen3's template reads). Not served
+(a 400 naming it): image and document blocks.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ MessageParam = Annotated[UserMessage | AssistantMessage, Field(discriminator="ro
 
 class ThinkingParam(OpenAIBaseModel):
     """Extended thinking: "enabled" caps a reasoning model's think block at budget_tokens
-    (chat's thinking_token_budget; 400 where the server reads no think blocks); "disabled"
-    is taken and changes nothing (a reasoning model's template decides whether it thinks)."""
+    (chat's thinking_token_budget; 400 where the server reads no think blocks). Either type
+    is the chat template's `enable_thinking` (true or false): Qwen3's template then opens no
+    think block for "disabled"; a template that does not read it renders as before."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [{
         "if": {"properties": {"type": {"const": "enabled"}}},
@@ -230,6 +233,8 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         ]  # fmt: skip
     if req.tool_choice is not None:
         body.update(_chat_tool_choice(req.tool_choice))
+    if req.thinking is not None:  # count_tokens renders the prompt the request would
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
     if isinstance(req, MessagesRequest):
         body.update(
             max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature,

@@ -66,13 +66,29 @@ UNSUPPORTED_CHAT = (
     "web_search_options",
     "reasoning_effort",
     "chat_template",
-    "chat_template_kwargs",
     "documents",
     "continue_final_message",
     "echo",
     *_UNSUPPORTED_COMMON,
 )
 UNSUPPORTED_MESSAGE_FIELDS = ("function_call", "audio")
+
+# vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's
+# `enable_thinking`). A key that is one of the renderer's own names, which would replace
+# what the server passes or what the template relies on, is a 400 naming it: the
+# renderer's arguments and the variables it sets, jinja's and transformers' template
+# functions, and the tokenizer's special tokens (server/tokens.py adds any other special
+# token or argument the loaded tokenizer has).
+RESERVED_TEMPLATE_KWARGS = (
+    "messages", "conversation", "conversations", "tools", "documents",
+    "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "raise_exception", "strftime_now", "range", "dict", "lipsum", "cycler", "joiner",
+    "namespace",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+    "mask_token", "additional_special_tokens",
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------- request schemas
@@ -86,6 +102,19 @@ LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOG
 TokenIds = Annotated[
     list[TokenId], Field(min_length=1, json_schema_extra=server_limit("prompt_tokens"))
 ]
+
+
+# Any JSON object (its nesting bounded by the body reader, server/json_body.py) whose keys
+# are not the renderer's own.
+TemplateKwargs = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}),
+]
+TEMPLATE_KWARGS_NOTE = (
+    'Extra chat template variables (vLLM\'s), e.g. `{"enable_thinking": false}`; a key '
+    "that is the renderer's own (messages, tools, add_generation_prompt, the special "
+    "tokens...) is a 400 naming it."
+)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -326,6 +355,9 @@ class ChatCompletionRequest(SamplingFields):
     # tokens inside it the server closes it and the model answers. 400 where the server
     # reads no think blocks; no effect under an output constraint (no block there).
     thinking_token_budget: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        default=None, description=TEMPLATE_KWARGS_NOTE
+    )
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
@@ -358,7 +390,12 @@ class TokenizeRequest(OpenAIBaseModel):
                 {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                 {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
             ]
-        },))
+        }, {
+            # the template's variables: with messages only
+            "if": {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            "then": {"properties": {"chat_template_kwargs": {
+                "anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}}},
+        }))
     )  # fmt: skip
 
     model: str | None = Field(default=None, json_schema_extra=server_limit("model"))
@@ -366,6 +403,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        default=None, description=TEMPLATE_KWARGS_NOTE
+    )
     return_token_strs: bool | None = False
 
 

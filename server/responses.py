@@ -6,11 +6,12 @@ then the stored conversation of `previous_response_id`, then `input` (a string, 
 items: messages, `function_call` items as an assistant turn's tool calls,
 `function_call_output` items as tool turns); `tools` (function tools) and
 `tool_choice`, `text.format` (json_schema, json_object) as response_format,
-`max_output_tokens` as max_tokens. From there the chat path runs: same template, same
-tokens and cached prefix, same constrained tool calls. The answer is a Response: output
-items (`message` with `output_text`, `function_call`), `status` `completed` or
-`incomplete` (max_output_tokens), usage with cached tokens; streamed as the Responses
-events (server/responses_items.py). A reasoning model's think block (server/reasoning.py)
+`max_output_tokens` as max_tokens, `chat_template_kwargs` (vLLM's, as on chat) as it is.
+From there the chat path runs: same template, same tokens and cached prefix, same
+constrained tool calls. The answer is a Response: output items (`message` with
+`output_text`, `function_call`), `status` `completed` or `incomplete`
+(max_output_tokens), usage with cached tokens; streamed as the Responses events
+(server/responses_items.py). A reasoning model's think block (server/reasoning.py)
 is a `reasoning` item before the message; reasoning items sent back in `input` are taken
 and left out of the prompt. With `store` (the default) the response and its conversation
 are kept in a bounded store (server/response_store.py) for `previous_response_id`, GET and
@@ -35,7 +36,7 @@ from engine import RequestOutput
 from server.chat import serve_chat
 from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
-from server.protocol import ChatCompletionRequest
+from server.protocol import TEMPLATE_KWARGS_NOTE, ChatCompletionRequest, TemplateKwargs
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -174,6 +175,9 @@ class ResponsesRequest(OpenAIBaseModel):
     reasoning: Reasoning | None = None
     # chat's (vLLM's) cap on a reasoning model's think block; the API itself has no budget
     thinking_token_budget: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        default=None, description=TEMPLATE_KWARGS_NOTE
+    )
     background: Literal[False] | None = None
     truncation: Literal["disabled"] | None = None
 
@@ -221,6 +225,7 @@ def chat_request(
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "parallel_tool_calls": req.parallel_tool_calls,
         "thinking_token_budget": req.thinking_token_budget,
+        "chat_template_kwargs": req.chat_template_kwargs,
     }  # fmt: skip
     if req.tools:
         body["tools"] = [

@@ -6,10 +6,12 @@ stream asks for the same token ids again and again.
 
 from __future__ import annotations
 
+import inspect
 from functools import lru_cache
 from typing import Any
 
 from server.errors import bad_request
+from server.protocol import RESERVED_TEMPLATE_KWARGS
 from server.validation import check_token_ids
 
 
@@ -84,18 +86,46 @@ def apply_chat_template(
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The conversation (and any tools) rendered by the model's chat template; 400 when
-    it cannot be."""
+    """The conversation (and any tools) rendered by the model's chat template, with the
+    request's `chat_template_kwargs` as extra variables; 400 when it cannot be."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+    extra = check_template_kwargs(tokenizer, template_kwargs)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **extra,
+        )  # fmt: skip
     except Exception as exc:  # jinja errors: the template refused these messages
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
     return text if isinstance(text, str) else str(text)
+
+
+def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's template variables; 400 naming the first that is one of the
+    renderer's own names (RESERVED_TEMPLATE_KWARGS, this tokenizer's special tokens and
+    its apply_chat_template's arguments): it must not replace what the server passes."""
+    if not kwargs:
+        return {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS or key in _own_names(tokenizer):
+            raise bad_request(
+                f"chat_template_kwargs must not set {key!r}: it is the chat template "
+                "renderer's own.",
+                param=f"chat_template_kwargs.{key}",
+            )
+    return kwargs
+
+
+def _own_names(tokenizer: Any) -> set[str]:
+    names = set(getattr(tokenizer, "special_tokens_map", None) or ())
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    except (TypeError, ValueError):
+        return names
+    return names | {p.name for p in params if p.kind is not p.VAR_KEYWORD}
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:

@@ -99,6 +99,9 @@ def check_tools(req: ChatCompletionRequest) -> None:
 def check_tokenize_input(req: TokenizeRequest) -> None:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("Give exactly one of `prompt` and `messages`.", param="prompt")
+    if req.prompt is not None and not is_unset(req.chat_template_kwargs):
+        raise bad_request("`chat_template_kwargs` needs `messages` (a prompt is not templated).",
+                          param="chat_template_kwargs")  # fmt: skip
 
 
 # ------------------------------------------------------------------- the model's limits
