@@ -24,7 +24,8 @@ from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.groups import KVCacheGroup
 from kv_cache.host_tier import HostTier
 from kv_cache.invariants import check_ref_counts
-from kv_cache.manager import KVCacheManager, RequestLike
+from kv_cache.manager import KVCacheManager
+from kv_cache.request_state import RequestLike
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, GroupBlocks, PrefixCacheStats
 

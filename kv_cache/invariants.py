@@ -11,7 +11,7 @@ from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool
 
 
-class _TableState(Protocol):  # what the manager keeps of a request (manager._RequestState)
+class _TableState(Protocol):  # what the manager keeps of a request (RequestState)
     block_ids: tuple[int, ...]
     num_skipped: int
     block_hashes: list[BlockHash]

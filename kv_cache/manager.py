@@ -35,58 +35,17 @@ block pool (kv_cache/hybrid.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.hashing import get_block_hasher
 from kv_cache.host_tier import HostTier
 from kv_cache.invariants import check_ref_counts, count_holders
+from kv_cache.request_state import SKIPPED, RequestLike, RequestState
 from kv_cache.sliding_window import first_block_read, max_blocks_held, window_hit
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
 from kv_cache.tier_link import TierLink
-
-
-class RequestLike(Protocol):
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int
-    extra_keys: tuple
-
-
-# A block-table entry a sliding window no longer reads (its block was given back). Any block
-# id would do, as attention never reads it; 0 keeps the table a valid index everywhere.
-SKIPPED = 0
-
-
-class _RequestState:
-    """What the manager remembers about one request."""
-
-    __slots__ = (
-        "block_ids",
-        "num_skipped",
-        "block_hashes",
-        "num_cached_blocks",
-        "extra",
-        "pending_lookup",
-    )
-
-    def __init__(self, extra: object) -> None:
-        # The block table, append-only; the blocks themselves are the pool's.
-        self.block_ids: tuple[int, ...] = ()
-        # block_ids[:num_skipped] are `SKIPPED` (sliding window): they hold no block.
-        self.num_skipped = 0
-        # Hashes of the request's full blocks of known tokens, computed once
-        # and extended as the request grows.
-        self.block_hashes: list[BlockHash] = []
-        # block_ids[:num_cached_blocks] have been offered to the cache.
-        self.num_cached_blocks = 0
-        self.extra = extra  # extra_keys in the hasher's per-request form
-        # (tokens looked up, hit tokens) of the last lookup, counted in the
-        # stats once the allocation that follows it succeeds: a request that
-        # waits several steps for blocks is looked up, but counted, once.
-        self.pending_lookup: tuple[int, int] | None = None
 
 
 class KVCacheManager:
@@ -131,7 +90,7 @@ class KVCacheManager:
         # the free queue shrinks and grows under this manager's calls, so it is O(1).
         self.num_blocks_in_use = 0
         self.stats = PrefixCacheStats()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         # Blocks pinned resident (`pin`): each holds one reference for the manager's life.
         self._pinned: list[KVCacheBlock] = []
 
@@ -152,10 +111,10 @@ class KVCacheManager:
         max_chunk tokens a step (kv_cache/sliding_window.py)."""
         return max_blocks_held(num_tokens, max_chunk, self.block_size, self.window)
 
-    def _state(self, req: RequestLike) -> _RequestState:
+    def _state(self, req: RequestLike) -> RequestState:
         state = self._requests.get(req.request_id)
         if state is None:
-            state = _RequestState(self._prepare_extra(req))
+            state = RequestState(self._prepare_extra(req))
             self._requests[req.request_id] = state
         return state
 
@@ -206,7 +165,7 @@ class KVCacheManager:
 
     def _lookup(
         self, req: RequestLike, max_blocks: int | None = None
-    ) -> tuple[_RequestState, list[KVCacheBlock | None]]:
+    ) -> tuple[RequestState, list[KVCacheBlock | None]]:
         state = self._state(req)
         token_ids = req.all_token_ids
         num_tokens = len(token_ids)
@@ -259,7 +218,7 @@ class KVCacheManager:
         if state is None:
             if hits:
                 raise ValueError("hits must come from get_computed_blocks for this request")
-            state = _RequestState(None)  # nothing known yet: registered by `_allocate`
+            state = RequestState(None)  # nothing known yet: registered by `_allocate`
         block_size = self.block_size
         num_hits = len(hits)
         if self.window is not None and state.block_ids:
@@ -276,7 +235,7 @@ class KVCacheManager:
             num_needed += sum(1 for block in hits if block is not None and block.ref_cnt == 0)
         return num_needed
 
-    def _skip_passed_blocks(self, state: _RequestState, num_computed_tokens: int) -> None:
+    def _skip_passed_blocks(self, state: RequestState, num_computed_tokens: int) -> None:
         """Give back the blocks wholly before the window of the next token to compute
         (position num_computed_tokens): tail first, as `free` does, and still cached."""
         first_read = first_block_read(num_computed_tokens, self.window, self.block_size)
@@ -295,7 +254,7 @@ class KVCacheManager:
         any takes a new block, which could otherwise evict another group's free hit."""
         state = self._requests.get(req.request_id)
         if state is None:
-            state = self._requests[req.request_id] = _RequestState(self._prepare_extra(req))
+            state = self._requests[req.request_id] = RequestState(self._prepare_extra(req))
         if state.pending_lookup is not None:
             self._count_lookup(state)
         if hits:
@@ -335,7 +294,7 @@ class KVCacheManager:
                 self._cache_blocks(state, token_ids, num_full, show=not req.extra_keys)
         return new_blocks
 
-    def _count_lookup(self, state: _RequestState) -> None:
+    def _count_lookup(self, state: RequestState) -> None:
         assert state.pending_lookup is not None
         num_tokens, num_hit_tokens = state.pending_lookup
         state.pending_lookup = None
@@ -344,7 +303,7 @@ class KVCacheManager:
         stats.queries += num_tokens
         stats.hits += num_hit_tokens
 
-    def _check_hits(self, state: _RequestState, hits: Sequence[KVCacheBlock]) -> None:
+    def _check_hits(self, state: RequestState, hits: Sequence[KVCacheBlock]) -> None:
         """Reject hits that are not this request's prefix any more, e.g. a hit
         evicted by another allocation between lookup and allocation."""
         if state.block_ids:
@@ -362,7 +321,7 @@ class KVCacheManager:
                 )
 
     def _cache_blocks(
-        self, state: _RequestState, token_ids: list[int], num_full: int, show: bool = True
+        self, state: RequestState, token_ids: list[int], num_full: int, show: bool = True
     ) -> None:
         hashes = state.block_hashes
         if len(hashes) < num_full:

@@ -8,7 +8,7 @@ import pytest
 from kv_cache import KVCacheManager
 from kv_cache.groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
 from kv_cache.hybrid import HybridKVCacheManager
-from kv_cache.manager import SKIPPED
+from kv_cache.request_state import SKIPPED
 from tests.kv_cache.test_kv_manager import Req, admit
 
 
