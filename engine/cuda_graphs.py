@@ -17,7 +17,10 @@ request's blocks; its hidden state is computed and dropped.
 What a graph needs of the attention backend (`AttentionBackend.cuda_graphs`): planning a
 decode-only step makes no tensor and reads only host integers that the captured metadata
 fixes, and the layer calls read the step from the metadata's tensors alone. The Triton
-backend qualifies; SDPA (which groups requests on the host) does not.
+backend qualifies; SDPA (which groups requests on the host) does not. A sliding window is
+a constant of the backend (its kernels' and its splits'), so a windowed model captures
+too; a hybrid one (several KV cache groups, kv_cache/groups.py) has a table and a slot per
+row for each group in the buffers, and each group's backend is prepared in the capture.
 
 `CudaGraphCapture` is the one place that touches CUDA; the tests give the runner a
 stand-in that re-runs the captured function at replay, which checks on CPU that a
@@ -77,24 +80,28 @@ class DecodeBuffers:
     """The persistent inputs every captured graph reads, sized for the largest batch, and
     their host twins. A step writes rows 0..n-1 and pads rows n..size-1 on the host, then
     two copies move them: `longs` (token ids, positions, slots) and `ints` (context lengths,
-    then the block tables), so a replay costs two copies, not one per field."""
+    then the block tables), so a replay costs two copies, not one per field. A hybrid
+    model's `groups` KV cache groups each have their own slots and tables."""
 
-    def __init__(self, max_size: int, max_blocks: int, device: torch.device) -> None:
-        self.max_size, self.max_blocks = max_size, max_blocks
+    def __init__(
+        self, max_size: int, max_blocks: int, device: torch.device, groups: int = 1
+    ) -> None:
+        self.max_size, self.max_blocks, self.groups = max_size, max_blocks, groups
         pinned = uses_pinned_memory(device)
-        # Rows: token ids, positions, slots (-1 on padding rows: nothing written).
-        self._host_longs = torch.zeros(3, max_size, dtype=torch.long, pin_memory=pinned)
-        # Context lengths (0 on padding rows: nothing read), then [max_size, max_blocks]
-        # block tables, so the lengths and a step's first rows of tables are one prefix.
+        # Rows: token ids, positions, each group's slots (-1 on padding rows: nothing written).
+        self._host_longs = torch.zeros(2 + groups, max_size, dtype=torch.long, pin_memory=pinned)
+        # Context lengths (0 on padding rows: nothing read), then [max_size, groups,
+        # max_blocks] block tables, so the lengths and a step's first rows of tables (of
+        # every group) are one prefix.
         self._host_ints = torch.zeros(
-            max_size * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned
+            max_size * (1 + groups * max_blocks), dtype=torch.int32, pin_memory=pinned
         )
-        self._host_longs[2] = -1
-        # Per row: the block table (the KV manager's tuple, replaced when blocks are added,
-        # never mutated) its row of the host tables holds, so a step writes only what
-        # changed: converting every table's ints would cost more than the rest of the
+        self._host_longs[2:] = -1
+        # Per group and row: the block table (the KV manager's tuple, replaced when blocks
+        # are added, never mutated) its row of the host tables holds, so a step writes only
+        # what changed: converting every table's ints would cost more than the rest of the
         # step's host work (~190 us for 64 x 125 blocks here).
-        self._rows: list[tuple[int, ...]] = [()] * max_size
+        self._rows: list[list[tuple[int, ...]]] = [[()] * max_size for _ in range(groups)]
         self.longs = self._host_longs.to(device)
         self.ints = self._host_ints.to(device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
@@ -109,7 +116,7 @@ class DecodeBuffers:
 
     @property
     def slot_mapping(self) -> torch.Tensor:
-        return self.longs[2]
+        return self.longs[2]  # group 0's; group g's is longs[2 + g]
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -117,17 +124,32 @@ class DecodeBuffers:
 
     @property
     def block_tables(self) -> torch.Tensor:
-        return self.ints[self.max_size :].view(self.max_size, self.max_blocks)
+        return self.group_tables(0)
+
+    def group_tables(self, group: int) -> torch.Tensor:
+        """KV cache group `group`'s [max_size, max_blocks] tables (rows strided by all the
+        groups' tables)."""
+        tables = self.ints[self.max_size :].view(self.max_size, self.groups, self.max_blocks)
+        return tables[:, group]
 
     def metadata(self, size: int, max_seq_len: int, block_size: int) -> AttentionMetadata:
         """The metadata a graph of `size` decodes is captured with: views of the buffers,
         and host fields that hold for any step it replays (one token each, contexts up to
-        max_seq_len)."""
+        max_seq_len); a hybrid model's other groups' in `group_metas`."""
+        meta = self._group_metadata(0, size, max_seq_len, block_size)
+        meta.group_metas = tuple(
+            self._group_metadata(g, size, max_seq_len, block_size) for g in range(1, self.groups)
+        )
+        return meta
+
+    def _group_metadata(
+        self, group: int, size: int, max_seq_len: int, block_size: int
+    ) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.longs[2 + group, :size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=self.group_tables(group)[:size],
             # Backends that plan from the host table do not capture (`cuda_graphs`).
             block_tables_host=np.zeros((size, self.max_blocks), dtype=np.int64),
             positions=self.positions[:size],
@@ -149,33 +171,36 @@ class DecodeBuffers:
         longs = self._host_longs.numpy()
         ints = self._host_ints.numpy()
         seq_lens = ints[: self.max_size]
-        tables = ints[self.max_size :].reshape(self.max_size, self.max_blocks)
+        all_tables = ints[self.max_size :].reshape(self.max_size, self.groups, self.max_blocks)
         positions = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
-        rows = self._rows
-        for row, s in enumerate(scheduled):
-            table = s.block_ids
-            held = rows[row]
-            if held is table:
-                continue
-            # A table that extends what the row holds (the same request, grown) needs only
-            # its tail. Compared by value, not by request and block count: a request
-            # preempted and admitted again has a new table of the same length (~0.6 us for
-            # 125 blocks, paid only in steps where a table changed).
-            start = len(held) if table[: len(held)] == held else 0
-            tables[row, start : len(table)] = table[start:]
-            rows[row] = table
+        for group, rows in enumerate(self._rows):
+            tables = all_tables[:, group]
+            for row, s in enumerate(scheduled):
+                table = s.group_block_ids[group - 1] if group else s.block_ids
+                held = rows[row]
+                if held is table:
+                    continue
+                # A table that extends what the row holds (the same request, grown) needs
+                # only its tail. Compared by value, not by request and block count: a
+                # request preempted and admitted again has a new table of the same length
+                # (~0.6 us for 125 blocks, paid only in steps where a table changed); a
+                # sliding-window group's table also changes where blocks left the window.
+                start = len(held) if table[: len(held)] == held else 0
+                tables[row, start : len(table)] = table[start:]
+                rows[row] = table
+            longs[2 + group, :n] = tables[np.arange(n), positions // block_size] * block_size + (
+                positions % block_size
+            )
         longs[0, :n] = [s.token_ids[0] for s in scheduled]
         longs[1, :n] = positions
-        longs[2, :n] = tables[np.arange(n), positions // block_size] * block_size + (
-            positions % block_size
-        )
         seq_lens[:n] = positions + 1
         # The previous step's rows must not be replayed as real requests.
         longs[0:2, n:size] = 0
-        longs[2, n:size] = -1
+        longs[2:, n:size] = -1
         seq_lens[n:size] = 0
         self.longs.copy_(self._host_longs)
-        used = self.max_size + size * self.max_blocks  # the lengths and `size` rows of tables
+        # the lengths and `size` rows of every group's tables
+        used = self.max_size + size * self.groups * self.max_blocks
         self.ints[:used].copy_(self._host_ints[:used])
 
 
@@ -197,7 +222,8 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
-        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, device)
+        groups = len(model.attn_backends)  # KV cache groups: more than one in a hybrid model
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, device, groups)
         # size -> (replay, the hidden states [size, H] each replay writes)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
@@ -219,12 +245,12 @@ class CudaGraphRunner:
     def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
         meta = self.buffers.metadata(size, self.max_model_len, self.block_size)
         input_ids = self.buffers.input_ids[:size]
-        backend = self.model.attn_backend
 
         def forward() -> torch.Tensor:
             # Planning a decode-only step is host integers only (`cuda_graphs`), so it may
-            # sit inside the capture; a stand-in capture that re-runs this needs it.
-            backend.prepare(meta)
+            # sit inside the capture; a stand-in capture that re-runs this needs it. Each
+            # KV cache group's backend plans over its group's view (`meta.for_group`).
+            self.model.prepare_attention(meta)
             return self.model(input_ids, meta.positions, self.kv_caches, meta)
 
         return forward
@@ -237,7 +263,9 @@ class CudaGraphRunner:
         """The captured size this step replays at, or None: run it eagerly (a step with a
         prefill, a batch above the largest size, a table longer than the buffers')."""
         max_blocks = self.buffers.max_blocks
-        if any(len(s.token_ids) != 1 or len(s.block_ids) > max_blocks for s in scheduled):
+        if any(len(s.token_ids) != 1 or len(s.block_ids) > max_blocks
+               or any(len(t) > max_blocks for t in s.group_block_ids)
+               for s in scheduled):  # fmt: skip
             return None
         index = bisect.bisect_left(self.sizes, len(scheduled))
         if index == len(self.sizes) or self.sizes[index] not in self._graphs:

@@ -306,8 +306,7 @@ def resolve_attention(
     )  # fmt: skip
     asked = config.attention_backend
     if asked == "auto":
-        # (triton has no sliding window yet: a windowed model on CUDA takes SDPA)
-        if triton_applies(device, kv_int8) and not shape.sliding_window:
+        if triton_applies(device, kv_int8):  # (sliding windows included)
             return "triton"
         return "cpu-paged" if paged else DEFAULT_BACKEND
     if shape.sliding_window and not backend_class(asked).sliding_windows:

@@ -16,6 +16,12 @@ Three kernels, and no gathered copy of any request's K/V:
   log-sum-exp; `_merge_splits_kernel` combines them. Long contexts then keep the GPU
   busy at batch 1.
 
+A sliding window (the backend's `window`, a compile-time constant of the kernel) starts
+each program's keys at its first query's window and masks the band within the tiles: a
+long decode reads `window` keys, not its context, and its splits share those. Keys before
+the window are never read, nor their block table entries, which a sliding-window group
+may leave as placeholders (block 0).
+
 The plan (which tile is whose, where it starts, the splits) is made once per step on the
 host in `prepare`; a layer call only launches kernels. A decode-only step's plan is a
 few integers and no tensor (`DECODE`: each program's request and split follow from its
@@ -77,7 +83,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,10 +117,15 @@ def _paged_attention_kernel(
     ).to(tl.float32)  # fmt: skip
     q_pos = pos0 + t
 
-    # This program's keys: its split's share of the context, never past its last query.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    k_begin = split * per_split
-    k_end = tl.minimum(tl.minimum(seq_len, k_begin + per_split), pos0 + q_len)
+    # This program's keys: its split's share of the keys its queries see, never past its
+    # last query. A sliding window (WINDOW > 0) starts them at the first query's window:
+    # keys before it are never read, nor their block table entries (a windowed group's
+    # table may hold placeholders there), and the splits share the window, not the context.
+    k_first = tl.maximum(pos0 - WINDOW + 1, 0) if WINDOW > 0 else 0
+    k_last = tl.minimum(seq_len, pos0 + q_len)
+    per_split = tl.cdiv(tl.cdiv(k_last - k_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    k_begin = k_first + split * per_split
+    k_end = tl.minimum(k_last, k_begin + per_split)
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -137,6 +148,8 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + offs, mask=kv_ok, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < k_end)[None, :]
+        if WINDOW > 0:  # transformers' sliding mask: 0 <= q - k < WINDOW
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no key allowed yet keeps -inf: exp(-inf - -inf) must not be NaN.
@@ -210,14 +223,16 @@ def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     return min(1 << max(0, wanted - 1).bit_length(), MAX_SPLITS)
 
 
-def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
-    """The step's tiles: decode-only steps one token a tile (split over the context when
-    the requests alone would leave the GPU idle), other steps up to BLOCK_M tokens.
+def plan_step(meta: AttentionMetadata, num_kv_heads: int, window: int | None = None) -> _Plan:
+    """The step's tiles: decode-only steps one token a tile (split over the keys each reads,
+    at most `window`, when the requests alone would leave the GPU idle), other steps up to
+    BLOCK_M tokens.
 
     A decode-only step's plan reads only host integers (the batch size, the longest
-    context) and makes no tensor, so it is valid inside a CUDA graph capture."""
+    context, the window) and makes no tensor, so it is valid inside a CUDA graph capture."""
     if meta.num_decodes == meta.num_reqs:
-        splits = decode_splits(meta.num_reqs, num_kv_heads, meta.max_seq_len)
+        keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+        splits = decode_splits(meta.num_reqs, num_kv_heads, keys)
         unread = dict.fromkeys(TILE_FIELDS, meta.seq_lens)  # no tensor made: capturable
         return _Plan(unread, meta.num_reqs * splits, 1, splits)
     starts = meta.query_start_loc_list
@@ -236,11 +251,13 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int) -> _Plan:
 
 
 def attention_constexprs(
-    plan: _Plan, group: int, head_dim: int, block_size: int, dtype: torch.dtype
-) -> dict[str, object]:
+    plan: _Plan, group: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    window: int | None = None,
+) -> dict[str, object]:  # fmt: skip
     """`_paged_attention_kernel`'s compile-time arguments for a step's plan, and its warps:
     one compiled kernel per distinct value (tests/engine/test_triton_compile.py compiles
-    them for GPUs)."""
+    them for GPUs). The window is one of them: a backend's is fixed, and full attention
+    compiles without its mask."""
     rows = max(MIN_ROWS, triton.next_power_of_2(plan.tokens * group))
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot: K and N of 16 at least
     tile = 4096 if plan.decode else 2048  # elements of a [keys, BLOCK_D] tile
@@ -259,6 +276,7 @@ def attention_constexprs(
         "BLOCK_D": block_d,
         "NUM_SPLITS": plan.num_splits,
         "DECODE": plan.decode,
+        "WINDOW": window or 0,  # 0: full attention
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         # Large prefill tiles' [ROWS, BLOCK_D] float32 accumulators over 8 warps rather than
         # 4, at most 64 values a thread (128 x 64 rows spilled in float32 on 4 warps).
@@ -282,7 +300,7 @@ def triton_write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
 
 class TritonBackend(AttentionBackend):
     cuda_graphs = True  # a decode-only plan is integers; the kernels read meta's tensors
-    sliding_windows = False  # not yet: a windowed model on CUDA takes sdpa (the plan's choice)
+    sliding_windows = True  # the window is a compile-time constant of the backend's kernels
 
     def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, window)
@@ -292,7 +310,7 @@ class TritonBackend(AttentionBackend):
         self._consts: dict[str, object] | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._plan = plan_step(meta, self.num_kv_heads)
+        self._plan = plan_step(meta, self.num_kv_heads, self.window)
         self._consts = None
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping: torch.Tensor) -> None:
@@ -320,7 +338,8 @@ class TritonBackend(AttentionBackend):
         t = plan.tiles
         consts = self._consts
         if consts is None:
-            consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype)
+            consts = attention_constexprs(plan, group, head_dim, meta.block_size, q.dtype,
+                                          self.window)  # fmt: skip
             self._consts = consts
         _paged_attention_kernel[(plan.num_tiles, self.num_kv_heads)](
             q, k_cache, v_cache, target, lse, meta.block_tables, meta.seq_lens,
