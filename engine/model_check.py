@@ -65,7 +65,9 @@ def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str
         for projection, size in fused.items():  # a checkpoint that stores them fused (Phi-3)
             name = f"model.layers.{layer}.{projection}.weight"
             if name in shapes:
-                parts = _PROJECTIONS[:3] if projection.startswith("self_attn") else _PROJECTIONS[4:6]
+                parts = (
+                    _PROJECTIONS[:3] if projection.startswith("self_attn") else _PROJECTIONS[4:6]
+                )
                 for part in parts:
                     del expected[f"model.layers.{layer}.{part}.weight"]
                 expected[name] = size

@@ -11,46 +11,30 @@ attention, so it is not applied here either.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Architecture
+from engine.models.llama import LlamaForCausalLM
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
+class Gemma3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def architecture(cls, hf_config: Any) -> Architecture:
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM")
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        if heads % kv_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        layer_types = cls.layer_types(hf_config)
+        arch = super().architecture(hf_config)  # sizes, biases, layer_types, the window
         softcap = getattr(hf_config, "final_logit_softcapping", None)
-        return Architecture(
-            num_layers=hf_config.num_hidden_layers,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=hf_config.vocab_size,
-            eps=hf_config.rms_norm_eps,
+        return dataclasses.replace(
+            arch,
             act=getattr(hf_config, "hidden_activation", "gelu_pytorch_tanh"),
-            qkv_bias=bias,
-            o_bias=bias,
             mlp_bias=False,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
-            layer_types=layer_types,
-            sliding_window=getattr(hf_config, "sliding_window", None),
             qk_norm=True,
             norm_plus_one=True,
             sandwich_norms=True,
-            layer_rope=layer_types,  # each kind's own rope parameters
-            rotary_dim=head_dim,
+            layer_rope=arch.layer_types,  # each kind's own rope parameters
+            rotary_dim=arch.head_dim,
             attn_scale=hf_config.query_pre_attn_scalar**-0.5,
             embed_scale=hf_config.hidden_size**0.5,
             final_logit_softcap=None if softcap is None else float(softcap),

@@ -12,6 +12,14 @@ from engine.models.layers import Architecture
 from engine.models.rotary import rotary_dim
 
 
+def opted_in_window(hf_config: Any) -> int | None:
+    """The config's `sliding_window` where `use_sliding_window` turns it on (Qwen2, Qwen3,
+    SmolLM3 configs), else None."""
+    if not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return getattr(hf_config, "sliding_window", None)
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     # (q/k/v bias, o bias) where the config's attention_bias does not say
     attention_biases: tuple[bool, bool] | None = None

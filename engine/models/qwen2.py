@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, opted_in_window
 
 MAX_WINDOW_LAYERS = 28  # transformers' default
 
@@ -16,9 +16,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def sliding_window(cls, hf_config: Any) -> int | None:
-        if not getattr(hf_config, "use_sliding_window", False):
-            return None
-        return getattr(hf_config, "sliding_window", None)
+        return opted_in_window(hf_config)
 
     @classmethod
     def layer_types(cls, hf_config: Any) -> tuple[str, ...]:

@@ -9,15 +9,13 @@ import dataclasses
 from typing import Any
 
 from engine.models.layers import Architecture
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, opted_in_window
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def sliding_window(cls, hf_config: Any) -> int | None:
-        if not getattr(hf_config, "use_sliding_window", False):
-            return None
-        return getattr(hf_config, "sliding_window", None)
+        return opted_in_window(hf_config)
 
     @classmethod
     def architecture(cls, hf_config: Any) -> Architecture:
