@@ -53,7 +53,12 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }  # fmt: skip
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)  # (transformers 5 keeps the template apart)
 # name: (transformers' model_type, its config's shape); every other field is the config
 # class's default (Gemma 3's rope bases, its five-to-one sliding layout, ...).
 FAMILY_SHAPES = {
