@@ -253,6 +253,17 @@ class EngineConfig:
         "(torch.distributed: gloo on CPU, NCCL on CUDA); it must "
         "divide the heads (default 1)",
     )
+    # Batch invariance (engine/execution_plan.py's `batch_variance`): every row of a step
+    # through the kernel that computes one row alone, so a request's output does not depend
+    # on what else is batched, cached or chunked with it. Off by default: it costs 16-50% of
+    # the default model's throughput (bench/README.md, "Same request, same answer").
+    deterministic: bool = flag(
+        False,
+        SWITCH,
+        help="the same request gives the same tokens whatever else the server is doing "
+        "(batched, cached or chunked with it), at the cost of slower prefills; a GGUF's blocks "
+        "on a CPU with the GGUF kernels (default: off, each call's fastest kernel)",
+    )
     # Speculative decoding without a draft model (engine/speculative/): each decoding
     # request may verify draft tokens taken from what it has seen, several tokens a step.
     speculative: str = flag(

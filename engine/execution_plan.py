@@ -103,6 +103,9 @@ class ExecutionPlan:
     # Where the model's layer is not Llama's: what it kept from the native paths, and why
     # (e.g. "no decode stack: q/k norms"); "" where nothing.
     model_layer: str = ""
+    # Every row of every call through the kernel that computes one row alone, so that a
+    # request's tokens do not depend on what else its steps hold (`--deterministic`).
+    batch_invariant: bool = False
 
     def layer_kernels(self) -> ModuleType | None:
         """The native module whose layer ops serve the model, or None (torch's ops)."""
@@ -133,6 +136,8 @@ class ExecutionPlan:
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         if self.model_layer:
             parts.append(self.model_layer)
+        if self.batch_invariant:
+            parts.append("batch-invariant")
         if self.weights:
             parts.append(f"weights: {self.weights}")
         if is_cuda(self.device):
@@ -152,6 +157,7 @@ class ExecutionPlan:
             "decode_stack_rows": str(self.decode_stack_rows),
             "cuda_graphs": "on" if self.cuda_graphs_off is None else "off",
             "weights": self.weights,
+            "batch_invariant": "yes" if self.batch_invariant else "no",
         }
 
 
@@ -179,7 +185,7 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         model_layer = f"torch's layer ops ({shape.layer_ops_misfit})"
     elif shape.decode_stack_misfit and stack:
         model_layer = f"no decode stack ({shape.decode_stack_misfit})"
-    return ExecutionPlan(
+    plan = ExecutionPlan(
         device=device,
         dtype=dtype,
         quantization=quantization,
@@ -189,6 +195,37 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         decode_stack=stack and shape.decode_stack_misfit is None,
         cuda_graphs_off=graphs_off,
         model_layer=model_layer,
+        batch_invariant=config.deterministic,
+    )
+    if config.deterministic and (why := batch_variance(device, quantization, attention)):
+        raise batch_variant_error(why)
+    return plan
+
+
+def batch_variance(device: torch.device, quantization: Quantization, attention: str) -> str | None:
+    """Why this path cannot make a row's result independent of its step, or None: it can.
+
+    Batch invariance needs each op to compute a row the same way at every call size. The
+    GGUF kernels do (`ggml_linear` adds a row's blocks in one order in every tile; the
+    layer ops work row by row), and so does the paged decode kernel, which attends each
+    query row alone over fixed 256-key chunks. So the plan sends every call through those:
+    projections of every size through the int8 dot products (not the bf16 GEMM that serves
+    large calls otherwise), every query token through the paged kernel (not SDPA's
+    blocked prefill). torch's matmul, SDPA and cuBLAS choose kernels by shape (a float32
+    call of 1 row and of 2 round differently), so other paths are not invariant."""
+    if not is_cpu(device):
+        return "on CUDA, cuBLAS and the Triton kernels choose their tiles by shape"
+    if quantization.layers != "gguf" or quantization.head != "gguf":
+        return "float weights go through torch's matmul, which rounds by call size"
+    if attention != "cpu-paged":
+        return f"the {attention} attention backend computes a prefill otherwise than a decode"
+    return None
+
+
+def batch_variant_error(why: str) -> ValueError:
+    return ValueError(
+        f"--deterministic: this model cannot be served batch-invariant here ({why}); a "
+        "GGUF served from its own blocks on a CPU with the GGUF kernels can"
     )
 
 

@@ -22,6 +22,7 @@ queries.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,15 @@ class _Rows:
 
 
 class CpuPagedBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, window: int | None = None,
+        every_query_as_rows: bool = False,
+    ) -> None:  # fmt: skip
+        """``every_query_as_rows``: long prefills too go through the kernel, one row per
+        token (batch invariance: a token's attention is then computed the same way whether
+        it came in a prefill, a chunk, after a cached prefix or as a decode)."""
         super().__init__(num_heads, num_kv_heads, window)
+        self.max_kernel_query = sys.maxsize if every_query_as_rows else KERNEL_MAX_QUERY
         self._kernels = ggml_kernels()  # the paged decode kernel of both builds
         if self._kernels is None:
             raise ValueError("the cpu-paged attention backend needs AVX2 (see the log)")
@@ -54,8 +62,8 @@ class CpuPagedBackend(AttentionBackend):
         self._prepared = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._rows = _plan_rows(meta)
-        self._prefills = plan_prefills(meta, longer_than=KERNEL_MAX_QUERY, window=self.window)
+        self._rows = _plan_rows(meta, self.max_kernel_query)
+        self._prefills = plan_prefills(meta, longer_than=self.max_kernel_query, window=self.window)
         self._prepared = True
 
     def kernel_only_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -103,13 +111,13 @@ class CpuPagedBackend(AttentionBackend):
         )
 
 
-def _plan_rows(meta: AttentionMetadata) -> _Rows | None:
+def _plan_rows(meta: AttentionMetadata, max_query: int) -> _Rows | None:
     """The step's tokens the kernel attends: every token of each query of at most
-    `KERNEL_MAX_QUERY` tokens, as rows of the flat batch with their tables and lengths."""
+    ``max_query`` tokens, as rows of the flat batch with their tables and lengths."""
     lens = meta.query_lens
     if meta.num_decodes == meta.num_reqs:  # all decodes: row r is request r
         return _Rows(slice(0, meta.num_reqs), meta.block_tables, meta.seq_lens)
-    reqs = [r for r, q_len in enumerate(lens) if q_len <= KERNEL_MAX_QUERY]
+    reqs = [r for r, q_len in enumerate(lens) if q_len <= max_query]
     if not reqs:
         return None
     starts = meta.query_start_loc_list

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuPagedBackend
@@ -57,14 +58,15 @@ def cpu_paged_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 
 def get_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, window: int | None = None
+    name: str, num_heads: int, num_kv_heads: int, window: int | None = None, **options: Any
 ) -> AttentionBackend:
     """A new backend ``name`` (a registered one, as the execution plan resolved it) for this
     head layout and sliding window (None: full attention): each KV cache group of a model
-    gets its own, since a backend keeps the plan of its last step."""
+    gets its own, since a backend keeps the plan of its last step. ``options``: the
+    backend's own (cpu-paged's ``every_query_as_rows``)."""
     factory = ATTENTION_BACKENDS[name]  # ValueError naming the choices
     if window is not None and not backend_class(name).sliding_windows:
         raise ValueError(f"the {name} attention backend has no sliding window")
-    backend = factory(num_heads, num_kv_heads, window=window)
+    backend = factory(num_heads, num_kv_heads, window=window, **options)
     backend.name = name
     return backend

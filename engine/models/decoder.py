@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.distributed import TensorParallel
-from engine.execution_plan import TRITON_OPS, ExecutionPlan, manual_plan
+from engine.execution_plan import TRITON_OPS, ExecutionPlan, batch_variant_error, manual_plan
 from engine.gguf_weights import GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.models.layer_ops import TorchOps, activation, rms_norm, rms_norm_plus_one
@@ -82,8 +82,12 @@ class DecoderForCausalLM(nn.Module):
         # plans the step over its group's tables, with its group's window; the runner
         # prepares each once per step (`prepare_attention`).
         groups = kv_cache_groups(self.layer_windows(hf_config))
+        # Batch-invariant: every query token a row of the paged kernel (the plan chose it).
+        rows = {"every_query_as_rows": True} if plan.batch_invariant else {}
         self.attn_backends = [
-            get_attention_backend(plan.attention, arch.num_heads, arch.num_kv_heads, g.window)
+            get_attention_backend(
+                plan.attention, arch.num_heads, arch.num_kv_heads, g.window, **rows
+            )
             for g in groups
         ]
         for index, backend in enumerate(self.attn_backends):
@@ -214,6 +218,9 @@ class DecoderForCausalLM(nn.Module):
         weight bytes), unless it came in GGUF blocks that quantization gguf keeps."""
         for linear in self.linears():
             linear.pack()
+            if self.plan.batch_invariant and not linear.method.use_kernel_at_every_size():
+                raise batch_variant_error(f"{linear.formats()[0]} projections go through "
+                                          "torch's matmul, which rounds by call size")  # fmt: skip
         if self.embed_blocks is not None:  # its dense copy was never written: drop it
             self.embed_tokens = None
         if self.head_blocks is not None:

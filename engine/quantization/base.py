@@ -87,6 +87,13 @@ class QuantizationMethod:
         """The most rows `forward` sends through the kernel (0: it has none)."""
         raise NotImplementedError
 
+    def use_kernel_at_every_size(self) -> bool:
+        """After `pack`, for batch invariance: send every call, whatever its row count,
+        through the one kernel whose result for a row does not depend on the call's other
+        rows. False where the method has none (torch's matmul rounds a call of 1 row and of
+        2 differently)."""
+        return False
+
     def formats(self) -> list[str]:
         """What its weights run as, for the start-up line (one entry per fused part where
         the parts differ)."""

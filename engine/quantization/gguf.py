@@ -104,6 +104,14 @@ class GGUFMethod(DenseMethod):
         y = ggml_kernels().ggml_linear(x, *self.ggml)
         return y if bias is None else y + bias
 
+    def use_kernel_at_every_size(self) -> bool:
+        """Blocks kept: bf16 calls of every size take the int8 dot products too (whose tiles
+        add a row's blocks in one order at every tile height, ggml_quants.cpp's rows_dot)."""
+        if self.ggml is None:
+            return False
+        self.max_rows = ANY_ROWS
+        return True
+
     @property
     def kernel_max_rows(self) -> int:
         """GGUF blocks go through their kernel at any size up to `max_rows`."""
