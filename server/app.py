@@ -97,6 +97,7 @@ def build_app(
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     reasoning_parser: str = "auto",
     tool_call_parser: str = "auto",
+    return_tokens_as_token_ids: bool = False,
     models: ModelRouter | None = None,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
@@ -113,6 +114,8 @@ def build_app(
     `reasoning_parser` how a think block is separated from the answer (server/reasoning.py);
     `tool_call_parser` the tool-call format read under tool_choice "auto"
     (server/tool_formats.py);
+    `return_tokens_as_token_ids` whether logprobs write tokens as "token_id:<id>" for the
+    requests that do not say (vLLM's flag);
     `models` several models (server/model_router.py), each request served by the one it
     names, `engine_client` then being their server/router_engine.py.
     """
@@ -137,6 +140,7 @@ def build_app(
         grammar_compile_timeout=grammar_compile_timeout,
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     use = _one_model(ctx) if models is None else models.use
     if models is not None:  # each model served with these options over its own engine

@@ -136,21 +136,30 @@ def _thinking_budget(
 
 
 def chat_logprobs(
-    strings: TokenStrings, logprobs: list[TokenLogprob], num_top: int
+    strings: TokenStrings, logprobs: list[TokenLogprob], num_top: int, as_ids: bool = False
 ) -> ChatLogprobs:
+    """The chat logprobs object; `as_ids`: tokens written "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids), the chosen token's bytes still its own."""
     content = []
     for lp in logprobs:
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_top]
         content.append(ChatTokenLogprob(
-            token=strings.text(lp.token_id),
+            token=strings.name(lp.token_id, as_ids),
             logprob=clamp_logprob(lp.logprob),
             bytes=strings.bytes(lp.token_id),
-            top_logprobs=[
-                ChatTopLogprob(token=strings.text(t), logprob=clamp_logprob(v), bytes=strings.bytes(t))
-                for t, v in top
-            ],
+            top_logprobs=[_top_logprob(strings, t, v, as_ids) for t, v in top],
         ))  # fmt: skip
     return ChatLogprobs(content=content)
+
+
+def _top_logprob(
+    strings: TokenStrings, token_id: int, logprob: float, as_ids: bool
+) -> ChatTopLogprob:
+    token = strings.name(token_id, as_ids)
+    # vLLM gives a top_logprobs entry the bytes of the string it shows, so "token_id:<id>"'s
+    # under return_tokens_as_token_ids; clients written for vLLM read them so.
+    raw = list(token.encode()) if as_ids else strings.bytes(token_id)
+    return ChatTopLogprob(token=token, logprob=clamp_logprob(logprob), bytes=raw)
 
 
 class _ChatView:
@@ -171,13 +180,14 @@ class _ChatView:
         self.num_prompt_tokens = num_prompt
         self.n = req.num_choices
         self.num_top = req.top_logprobs or 0
+        self.as_ids = ctx.tokens_as_ids(req)
         self.created = int(time.time())
         self.model = ctx.served_model_name
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
-        return chat_logprobs(self.ctx.token_strings, logprobs or [], self.num_top)
+        return chat_logprobs(self.ctx.token_strings, logprobs or [], self.num_top, self.as_ids)
 
     def _usage(self, finals: dict[str, RequestOutput]) -> UsageInfo:
         completion_tokens = sum(len(o.token_ids) for o in finals.values())

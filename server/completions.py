@@ -69,32 +69,36 @@ def completion_logprobs(
     logprobs: list[TokenLogprob],
     offset: int,
     echo_prompt: tuple[list[int], str] | None = None,
+    as_ids: bool = False,
 ) -> tuple[CompletionLogProbs, int]:
     """The completions logprobs object, and the text offset after its tokens.
 
     `echo_prompt` = (prompt ids, prompt text): listed first, with null logprobs.
+    `as_ids`: tokens (and top_logprobs' keys) written "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids); text_offset still counts the tokens' text, the
+    `text` it indexes (vLLM's would count the "token_id:<id>" strings instead).
     """
     out = CompletionLogProbs()
     if echo_prompt is not None:
         ids, text = echo_prompt
         for token_id in ids:
-            out.tokens.append(strings.text(token_id))
+            out.tokens.append(strings.name(token_id, as_ids))
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             out.text_offset.append(offset)
-            offset += len(out.tokens[-1])
+            offset += len(strings.text(token_id))
         offset = len(text)  # generated text starts right after the echoed prompt
     for lp in logprobs:
-        token = strings.text(lp.token_id)
+        token = strings.name(lp.token_id, as_ids)
         out.tokens.append(token)
         out.token_logprobs.append(clamp_logprob(lp.logprob))
         # The top N by likelihood, plus the sampled token when it is not among them (vLLM).
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        entries = {strings.text(t): clamp_logprob(v) for t, v in top}
+        entries = {strings.name(t, as_ids): clamp_logprob(v) for t, v in top}
         entries.setdefault(token, clamp_logprob(lp.logprob))
         out.top_logprobs.append(entries)
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(strings.text(lp.token_id))
     return out, offset
 
 
@@ -114,6 +118,7 @@ class _CompletionView:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.echo = echo
+        self.as_ids = ctx.tokens_as_ids(req)
         self.n = req.num_choices
         self.created = int(time.time())
         self.model = ctx.served_model_name
@@ -132,7 +137,7 @@ class _CompletionView:
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs, _ = completion_logprobs(
-                    self.ctx.token_strings, out.logprobs or [], 0, echo
+                    self.ctx.token_strings, out.logprobs or [], 0, echo, self.as_ids
                 )
             text = (echo[1] if echo else "") + out.text
             choices.append(CompletionChoice(
@@ -173,7 +178,7 @@ class _CompletionView:
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs, offsets[index] = completion_logprobs(
-                    self.ctx.token_strings, pending.pop(index), offsets[index], echo
+                    self.ctx.token_strings, pending.pop(index), offsets[index], echo, self.as_ids
                 )
             text = (echo[1] if echo else "") + out.new_text
             choice = CompletionChoice(

@@ -54,7 +54,6 @@ _UNSUPPORTED_COMMON = (
     "length_penalty",
     "truncate_prompt_tokens",
     "prompt_embeds",
-    "return_tokens_as_token_ids",
     "logits_processors",
 )
 UNSUPPORTED_COMPLETION = ("suffix", *_UNSUPPORTED_COMMON)
@@ -110,6 +109,11 @@ TemplateKwargs = Annotated[
     dict[str, Any],
     Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}),
 ]
+TOKENS_AS_IDS_NOTE = (
+    "vLLM's: with logprobs, every token in them (the chosen one and each top_logprobs "
+    'entry) is written as "token_id:<id>" rather than as its text, so the exact tokens '
+    "can be compared across requests. Null: the server's --return-tokens-as-token-ids."
+)
 TEMPLATE_KWARGS_NOTE = (
     'Extra chat template variables (vLLM\'s), e.g. `{"enable_thinking": false}`; a key '
     "that is the renderer's own (messages, tools, add_generation_prompt, the special "
@@ -194,6 +198,8 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: NonEmptyStr | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyStr | None = None
+    # Token ids instead of token texts in the logprobs (server/serving.py's tokens_as_ids).
+    return_tokens_as_token_ids: bool | None = Field(default=None, description=TOKENS_AS_IDS_NOTE)
 
     @property
     def num_choices(self) -> int:

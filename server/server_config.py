@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.config import BYTES, POSITIVE_INT, SECONDS, Kind, declared_problems, flag
+from engine.config import BYTES, POSITIVE_INT, SECONDS, SWITCH, Kind, declared_problems, flag
 from server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -60,7 +60,7 @@ TEXTS = Kind("append", "a tuple of strings", _texts)  # a repeatable flag: a tex
 # The keyword arguments of server/app.py's `build_app` that are options here.
 APP_OPTIONS = ("served_model_name", "api_key", "max_waiting_requests", "max_request_body_bytes",
                "max_seqs_per_request", "queue_timeout", "grammar_compile_timeout",
-               "reasoning_parser", "tool_call_parser")  # fmt: skip
+               "reasoning_parser", "tool_call_parser", "return_tokens_as_token_ids")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,13 @@ class ServerConfig:
         "tools: hermes (<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]), or auto "
         "(chosen by the template; default %(default)s). Templates without tools use the "
         "generic format (docs/agents.md)",
+    )
+    return_tokens_as_token_ids: bool = flag(
+        False,
+        SWITCH,
+        help='write each token of the logprobs as "token_id:<id>", not as its text, as vLLM\'s '
+        "flag does (to compare the exact tokens of two answers); a request's own "
+        "`return_tokens_as_token_ids` wins (default: texts)",
     )
     drain_timeout: float = flag(
         DEFAULT_DRAIN_TIMEOUT_S,

@@ -72,6 +72,7 @@ class ServingContext:
     grammar_compile_timeout: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # None: no limit
     reasoning_parser: str = "auto"  # server/reasoning.py's REASONING_PARSERS
     tool_call_parser: str = "auto"  # server/tool_formats.py's TOOL_PARSERS
+    return_tokens_as_token_ids: bool = False  # a request's own field wins
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
     token_strings: TokenStrings = field(init=False)
 
@@ -81,6 +82,12 @@ class ServingContext:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def tokens_as_ids(self, req: SamplingFields) -> bool:
+        """Whether `req`'s logprobs name tokens by id ("token_id:<id>"): its own
+        `return_tokens_as_token_ids` where set, false included, else the server's (vLLM's)."""
+        own = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if own is None else own
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

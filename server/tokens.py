@@ -42,6 +42,12 @@ def _is_byte_level(tokenizer: Any) -> bool:
         return False
 
 
+def token_id_string(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` writes it: its id, which names it
+    exactly where texts do not (two ids can decode to the same text, or to U+FFFD)."""
+    return f"token_id:{token_id}"
+
+
 class TokenStrings:
     """Each token id's own text (as logprobs show it) and its exact UTF-8 bytes."""
 
@@ -50,6 +56,10 @@ class TokenStrings:
         self._byte_level = _is_byte_level(tokenizer)
         self.text = lru_cache(maxsize=1 << 16)(self._text)
         self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+
+    def name(self, token_id: int, as_id: bool) -> str:
+        """The token as logprobs write it: `token_id_string` if `as_id`, else its text."""
+        return token_id_string(token_id) if as_id else self.text(token_id)
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

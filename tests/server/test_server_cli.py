@@ -147,7 +147,7 @@ def test_the_serve_flags_make_the_server_config(monkeypatch):
         ["serve", "--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--pin-prefix", "a",
          "--pin-prefix", "@b.txt", "--max-request-body-bytes", "1MiB", "--queue-timeout", "2",
          "--drain-timeout", "0", "--log-level", "debug", "--data-parallel-size", "2",
-         "--router", "default", "--stats-interval", "0.5"]
+         "--router", "default", "--stats-interval", "0.5", "--return-tokens-as-token-ids"]
     )  # fmt: skip
     config = config_from_args(ServerConfig, args)
     assert (config.host, config.port, config.api_key) == ("0.0.0.0", 9001, "k")
@@ -156,6 +156,7 @@ def test_the_serve_flags_make_the_server_config(monkeypatch):
     assert (config.drain_timeout, config.log_level, config.stats_interval) == (0.0, "debug", 0.5)
     assert (config.data_parallel_size, config.router) == (2, "default")
     assert config.app_options()["api_key"] == "k"
+    assert config.app_options()["return_tokens_as_token_ids"] is True
     assert hash(config)  # frozen, of tuples: usable as a key
 
 
