@@ -39,7 +39,7 @@ def server_figures(
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             [sys.executable, "-m", "bench", "compare", "--servers", "pagedserve",
-             "--pagedserve-args", "--deterministic" if mode == "on" else "", "--workload", workload,
+             f"--pagedserve-args={'--deterministic' if mode == 'on' else ''}", "--workload", workload,
              "--concurrency", concurrency, "--num-requests", str(num_requests),
              "--no-plots", "--no-progress", "--out", out, *model_args],
             check=True, stdout=subprocess.DEVNULL,
