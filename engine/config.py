@@ -261,8 +261,9 @@ class EngineConfig:
         False,
         SWITCH,
         help="the same request gives the same tokens whatever else the server is doing "
-        "(batched, cached or chunked with it), at the cost of slower prefills; a GGUF's blocks "
-        "on a CPU with the GGUF kernels (default: off, each call's fastest kernel)",
+        "(batched, cached or chunked with it), at the cost of slower prefills: a GGUF's blocks "
+        "on a CPU with the GGUF kernels, bf16 weights on AVX512-BF16 (default: off, each "
+        "call's fastest kernel)",
     )
     # Speculative decoding without a draft model (engine/speculative/): each decoding
     # request may verify draft tokens taken from what it has seen, several tokens a step.

@@ -197,26 +197,32 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         model_layer=model_layer,
         batch_invariant=config.deterministic,
     )
-    if config.deterministic and (why := batch_variance(device, quantization, attention)):
+    if config.deterministic and (why := batch_variance(device, dtype, quantization, attention)):
         raise batch_variant_error(why)
     return plan
 
 
-def batch_variance(device: torch.device, quantization: Quantization, attention: str) -> str | None:
+def batch_variance(
+    device: torch.device, dtype: torch.dtype, quantization: Quantization, attention: str
+) -> str | None:
     """Why this path cannot make a row's result independent of its step, or None: it can.
 
     Batch invariance needs each op to compute a row the same way at every call size. The
-    GGUF kernels do (`ggml_linear` adds a row's blocks in one order in every tile; the
-    layer ops work row by row), and so does the paged decode kernel, which attends each
-    query row alone over fixed 256-key chunks. So the plan sends every call through those:
-    projections of every size through the int8 dot products (not the bf16 GEMM that serves
-    large calls otherwise), every query token through the paged kernel (not SDPA's
-    blocked prefill). torch's matmul, SDPA and cuBLAS choose kernels by shape (a float32
-    call of 1 row and of 2 round differently), so other paths are not invariant."""
+    GGUF kernels do (`ggml_linear` adds a row's blocks in one order in every tile), and so
+    does the skinny GEMM on bf16 weights; the layer ops work row by row, and the paged
+    decode kernel attends each query row alone over fixed 256-key chunks. So the plan sends
+    every call through those: projections of every size through the int8 dot products or
+    the skinny GEMM (not the bf16 GEMM that serves large calls otherwise), every query
+    token through the paged kernel (not SDPA's blocked prefill). torch's matmul, SDPA and
+    cuBLAS choose kernels by shape (a float32 call of 1 row and of 2 round differently), so
+    other paths are not invariant."""
     if not is_cpu(device):
         return "on CUDA, cuBLAS and the Triton kernels choose their tiles by shape"
-    if quantization.layers != "gguf" or quantization.head != "gguf":
-        return "float weights go through torch's matmul, which rounds by call size"
+    gguf = quantization.layers == "gguf" and quantization.head == "gguf"
+    skinny = (quantization.layers is None and dtype == torch.bfloat16
+              and kernels.cpu_kernels() is not None)  # fmt: skip
+    if not (gguf or skinny):
+        return "these weights go through torch's matmul, which rounds by call size"
     if attention != "cpu-paged":
         return f"the {attention} attention backend computes a prefill otherwise than a decode"
     return None
@@ -225,7 +231,8 @@ def batch_variance(device: torch.device, quantization: Quantization, attention: 
 def batch_variant_error(why: str) -> ValueError:
     return ValueError(
         f"--deterministic: this model cannot be served batch-invariant here ({why}); a "
-        "GGUF served from its own blocks on a CPU with the GGUF kernels can"
+        "GGUF served from its own blocks on a CPU with the GGUF kernels can, and bf16 "
+        "weights on a CPU with AVX512-BF16"
     )
 
 

@@ -17,6 +17,7 @@ engine caps the context there).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -32,7 +33,7 @@ from engine.gguf_weights import GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.models.layer_ops import TorchOps, activation, rms_norm, rms_norm_plus_one
 from engine.models.layers import Architecture, DecoderLayer, _param
-from engine.models.linear import kernel_for, project
+from engine.models.linear import SKINNY_MAX_ROWS, kernel_for, project
 from engine.models.rotary import rope_tables
 from engine.models.weight_loading import load_weights
 from kv_cache.groups import kv_cache_groups, layer_slots
@@ -118,6 +119,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if arch.tie_word_embeddings
                         else _param(self.head_rows, arch.hidden_size, **kw))  # fmt: skip
         self.head_kernel: ModuleType | None = None  # set by `pack_weights`
+        self.head_kernel_rows = SKINNY_MAX_ROWS  # rows through it; any under batch invariance
         # gguf: the embedding's and the LM head's blocks (the same when tied), where kept
         self.embed_blocks: GGUFTensor | None = None
         self.head_blocks: GGUFTensor | None = None
@@ -180,7 +182,9 @@ class DecoderForCausalLM(nn.Module):
             return _softcap(ggml_kernels().ggml_linear(hidden.float(), *self.head_ggml),
                             self.arch.final_logit_softcap)  # fmt: skip
         if self.tp is None:
-            logits = project(hidden, self.lm_head, kernel=self.head_kernel)
+            logits = project(
+                hidden, self.lm_head, kernel=self.head_kernel, max_rows=self.head_kernel_rows
+            )
             return _softcap(logits, self.arch.final_logit_softcap).float()
         rows = self.head_rows
         head = self.lm_head.narrow(0, self.tp.rank * rows, rows) \
@@ -228,6 +232,8 @@ class DecoderForCausalLM(nn.Module):
             self.head_ggml = self._pack_head(self.head_blocks)
         else:
             self.head_kernel = kernel_for(self.lm_head)
+            if self.plan.batch_invariant:  # (the plan allowed it: bf16 with the skinny kernel)
+                self.head_kernel_rows = sys.maxsize
 
     def _pack_head(self, head: GGUFTensor) -> tuple[list[torch.Tensor], list[int]]:
         """The head's blocks as `ggml_linear` takes them, in the layout it reads fastest

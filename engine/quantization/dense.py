@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import torch
@@ -31,10 +32,11 @@ def project(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernel: ModuleType | None = None,
+    max_rows: int = SKINNY_MAX_ROWS,
 ) -> torch.Tensor:
-    """``x @ W.T (+ bias)``: through ``kernel`` (from `kernel_for`) for a decode-sized x,
-    else torch's matmul."""
-    if kernel is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+    """``x @ W.T (+ bias)``: through ``kernel`` (from `kernel_for`) for an x of at most
+    ``max_rows`` rows (decode-sized), else torch's matmul."""
+    if kernel is not None and x.shape[0] <= max_rows:
         return kernel.skinny_linear(x.contiguous(), weight, None, bias)
     return F.linear(x, weight, bias)
 
@@ -46,16 +48,25 @@ class DenseMethod(QuantizationMethod):
         if w.device.type == "cpu" and w.dtype == torch.float32:
             weight.data = w.t().contiguous().t()
         self.kernel = kernel_for(weight)
+        self.skinny_rows = SKINNY_MAX_ROWS
         return weight
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return project(x, weight, bias, self.kernel)
+        return project(x, weight, bias, self.kernel, self.skinny_rows)
+
+    def use_kernel_at_every_size(self) -> bool:
+        """bf16 weights with the skinny kernel: every call through it (its tiles of 1-4
+        rows add a row's products in one order, so a row's result is the same in any call)."""
+        if self.kernel is None:
+            return False
+        self.skinny_rows = sys.maxsize
+        return True
 
     @property
     def kernel_max_rows(self) -> int:
-        return 0 if self.kernel is None else SKINNY_MAX_ROWS
+        return 0 if self.kernel is None else self.skinny_rows
 
     def formats(self) -> list[str]:
         return [str(self.dtype).removeprefix("torch.")]

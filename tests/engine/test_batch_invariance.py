@@ -23,6 +23,7 @@ from engine.models.layer_ops import TorchOps
 from engine.models.linear import GGUF, Linear
 from tests.engine.gguf_models import random_blocks, write_mixed_gguf
 from tests.engine.test_engine_golden import assert_all_blocks_free
+from tests.engine.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
 
@@ -68,17 +69,44 @@ def test_gguf_projections_compute_a_row_alike_in_calls_of_every_size(qtype, dtyp
     _assert_rows_invariant(linear, x, qtype.name)
 
 
-def test_without_invariance_a_bf16_prefill_call_rounds_its_rows_otherwise():
-    # The property above fails for the plan's default kernels: the check has teeth.
-    if cpu_kernels() is None:
-        pytest.skip("bf16 activations need AVX512-BF16")
+def _bf16_linear() -> Linear:
+    """bf16 weights (a Hugging Face checkpoint's, on an AVX512-BF16 CPU), packed."""
+    linear = Linear(1536, 72, bias=True, dtype=torch.bfloat16, device="cpu")
+    gen = torch.Generator().manual_seed(4)
+    linear.load(torch.randn(72, 1536, generator=gen).bfloat16(), None)
+    linear.bias.data.copy_(torch.randn(72, generator=gen))
+    linear.pack()
+    return linear
+
+
+def _q4_1_linear() -> Linear:
     linear = Linear(576, 40, bias=False, dtype=torch.bfloat16, device="cpu", quantization=GGUF)
     blocks = random_blocks(T.Q4_1, 40, 576, np.random.default_rng(0))
     linear.load(GGUFTensor(torch.from_numpy(blocks), T.Q4_1, (40, 576)), None)
     linear.pack()
-    x = torch.randn(TOTAL, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return linear
+
+
+needs_bf16 = pytest.mark.skipif(cpu_kernels() is None, reason="bf16 needs AVX512-BF16 kernels")
+
+
+@needs_bf16
+def test_bf16_weights_through_the_skinny_gemm_compute_a_row_alike_in_calls_of_every_size():
+    linear = _bf16_linear()
+    assert linear.method.use_kernel_at_every_size()
+    x = torch.randn(TOTAL, 1536, generator=torch.Generator().manual_seed(5)).bfloat16()
+    _assert_rows_invariant(linear, x, "bf16 skinny")
+
+
+@needs_bf16
+@pytest.mark.parametrize("make", [_q4_1_linear, _bf16_linear], ids=["Q4_1", "bf16"])
+def test_without_invariance_a_bf16_call_rounds_its_rows_by_its_size(make):
+    # The property fails for each call size's fastest kernel (the bf16 GEMM past 32 rows
+    # on GGUF blocks, past 8 on bf16 weights): the check has teeth.
+    linear = make()
+    x = torch.randn(TOTAL, linear.in_features, generator=torch.Generator().manual_seed(5))
     with pytest.raises(AssertionError):
-        _assert_rows_invariant(linear, x, "Q4_1, default sizes")
+        _assert_rows_invariant(linear, x.bfloat16(), "default kernels")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -214,7 +242,7 @@ def test_without_the_flag_a_cache_hit_changes_the_answer():
 
 @pytest.mark.parametrize(
     "fields, why",
-    [({"dtype": "float32"}, "float weights go through torch's matmul"),
+    [({"dtype": "float32"}, "these weights go through torch's matmul"),
      ({"attention_backend": "sdpa"}, "the sdpa attention backend")],
 )  # fmt: skip
 def test_deterministic_refuses_a_path_that_cannot_keep_it(fields, why):
@@ -227,3 +255,19 @@ def test_deterministic_refuses_a_gguf_projection_dequantized_to_float(tmp_path):
     path = write_mixed_gguf(tmp_path / "mixed.gguf")  # its last layer's down projection: Q2_K
     with pytest.raises(ValueError, match="--deterministic: .*Q2_K.*torch's matmul"):
         LLM(str(path), deterministic=True)
+
+
+@needs_bf16
+def test_a_bf16_model_gives_the_same_tokens_alone_again_and_beside_others(tmp_path):
+    # A Hugging Face directory in bf16 (the AVX512-BF16 default): its projections and head
+    # through the skinny GEMM at every size.
+    llm = LLM(str(make_tiny_model_dir(tmp_path)), dtype="bfloat16", deterministic=True,
+              max_num_batched_tokens=128)  # fmt: skip
+    assert "batch-invariant" in llm.engine.core.config.plan.describe()
+    rng = np.random.default_rng(5)
+    prompt, *others = ([int(t) for t in rng.integers(100, 1000, n)] for n in (300, 40, 200, 90))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    alone = _served(llm, [prompt], [params])
+    assert _served(llm, [prompt], [params]) == alone  # a prefix-cache hit
+    assert _served(llm, [prompt, *others], [params] * 4) == alone
+    assert_all_blocks_free(llm)
