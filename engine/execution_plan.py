@@ -197,14 +197,15 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         model_layer=model_layer,
         batch_invariant=config.deterministic,
     )
-    if config.deterministic and (why := batch_variance(device, dtype, quantization, attention)):
+    if config.deterministic and (why := batch_variance(device, dtype, quantization, attention, tp)):
         raise batch_variant_error(why)
     return plan
 
 
 def batch_variance(
-    device: torch.device, dtype: torch.dtype, quantization: Quantization, attention: str
-) -> str | None:
+    device: torch.device, dtype: torch.dtype, quantization: Quantization, attention: str,
+    tp: int = 1,
+) -> str | None:  # fmt: skip
     """Why this path cannot make a row's result independent of its step, or None: it can.
 
     Batch invariance needs each op to compute a row the same way at every call size. The
@@ -218,6 +219,8 @@ def batch_variance(
     other paths are not invariant."""
     if not is_cpu(device):
         return "on CUDA, cuBLAS and the Triton kernels choose their tiles by shape"
+    if tp > 1:
+        return "tensor parallelism's head goes through torch's matmul"
     gguf = quantization.layers == "gguf" and quantization.head == "gguf"
     skinny = (quantization.layers is None and dtype == torch.bfloat16
               and kernels.cpu_kernels() is not None)  # fmt: skip

@@ -243,7 +243,8 @@ def test_without_the_flag_a_cache_hit_changes_the_answer():
 @pytest.mark.parametrize(
     "fields, why",
     [({"dtype": "float32"}, "these weights go through torch's matmul"),
-     ({"attention_backend": "sdpa"}, "the sdpa attention backend")],
+     ({"attention_backend": "sdpa"}, "the sdpa attention backend"),
+     ({"tensor_parallel_size": 3}, "tensor parallelism")],
 )  # fmt: skip
 def test_deterministic_refuses_a_path_that_cannot_keep_it(fields, why):
     with pytest.raises(ValueError, match=f"--deterministic: .*{why}"):
