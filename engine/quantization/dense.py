@@ -43,6 +43,8 @@ def project(
 
 @register(None)
 class DenseMethod(QuantizationMethod):
+    skinny_rows = SKINNY_MAX_ROWS  # rows through the skinny kernel (any: batch-invariant)
+
     def pack(self, weight: nn.Parameter) -> nn.Parameter:
         w = weight.data
         if w.device.type == "cpu" and w.dtype == torch.float32:
