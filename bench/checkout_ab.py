@@ -91,16 +91,17 @@ def engine_steps(checkout: Path, batches: str, model: str | None = None) -> dict
 
 
 def server_figures(
-    checkout: Path, concurrency: str, num_requests: int, model: str | None = None
-) -> dict[str, dict]:
+    checkout: Path, concurrency: str, num_requests: int, model: str | None = None,
+    workload: str = "shared-prefix", serve_args: str = "",
+) -> dict[str, dict]:  # fmt: skip
     """Output tok/s and ITL p50 per concurrency, from `bench compare` run in `checkout`
-    serving `model` (None: the default model)."""
+    serving `model` (None: the default model) with `serve_args` on `workload`."""
     env = checkout_env(checkout)
     model_args = ["--model", model] if model else []
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             [sys.executable, "-m", "bench", "compare", "--servers", "pagedserve",
-             "--workload", "shared-prefix", "--concurrency", concurrency,
+             f"--pagedserve-args={serve_args}", "--workload", workload, "--concurrency", concurrency,
              "--num-requests", str(num_requests), "--no-plots", "--no-progress",
              "--out", out, *model_args],
             cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL,

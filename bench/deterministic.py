@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+from bench.checkout_ab import HERE
+from bench.checkout_ab import server_figures as checkout_figures
 from bench.machine import machine_line
 
 MODES = ("on", "off")  # --deterministic, and without it
@@ -35,21 +34,8 @@ def server_figures(
     mode: str, workload: str, concurrency: str, num_requests: int, model: str | None
 ) -> dict[str, dict]:
     """Output tok/s and ITL p50 per concurrency from `bench compare`, served in ``mode``."""
-    model_args = ["--model", model] if model else []
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run(
-            [sys.executable, "-m", "bench", "compare", "--servers", "pagedserve",
-             f"--pagedserve-args={'--deterministic' if mode == 'on' else ''}", "--workload", workload,
-             "--concurrency", concurrency, "--num-requests", str(num_requests),
-             "--no-plots", "--no-progress", "--out", out, *model_args],
-            check=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        records = json.loads(next(Path(out).glob("**/results.json")).read_text())
-    return {
-        str(r["concurrency"]): {"tok_s": r["output_throughput"], "itl_p50": r["itl_ms"]["p50"]}
-        for r in records
-        if r.get("server") == "pagedserve"
-    }
+    flag = "--deterministic" if mode == "on" else ""
+    return checkout_figures(HERE, concurrency, num_requests, model, workload, flag)
 
 
 def prefill_seconds(engines: dict, lens: list[int], salt: int) -> dict[str, dict[int, float]]:
