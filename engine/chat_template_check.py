@@ -58,18 +58,27 @@ _BYTES_PER_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionar
 
 def bytes_per_token(tokenizer: Any) -> int:
     """The most bytes of text one token of ``tokenizer`` stands for: its vocabulary's longest
-    token in UTF-8 (an upper bound: byte-level BPE spells a byte in one or two bytes,
-    SentencePiece a space in three), at most `MAX_BYTES_PER_TOKEN`. Cached per tokenizer."""
+    token, at most `MAX_BYTES_PER_TOKEN`. A byte-level BPE token spells each byte as one
+    character; any other is measured in UTF-8, at least its text's length (SentencePiece
+    spells a space in three bytes, a byte fallback in six). Cached per tokenizer."""
     try:
         return _BYTES_PER_TOKEN[tokenizer]
     except (KeyError, TypeError):
         pass
-    vocab = tokenizer.get_vocab()
-    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+    from engine.gguf_tokenizer import byte_alphabet  # (numpy, gguf: not at the server's import)
+
+    alphabet = set(byte_alphabet().values()) if _byte_level(tokenizer) else set()
+    longest = max((len(t) if alphabet.issuperset(t) else len(t.encode("utf-8", "surrogatepass"))
+                   for t in tokenizer.get_vocab()), default=1)  # fmt: skip
     size = max(1, min(longest, MAX_BYTES_PER_TOKEN))
     with contextlib.suppress(TypeError):  # not weakly referable: computed each time
         _BYTES_PER_TOKEN[tokenizer] = size
     return size
+
+
+def _byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
 
 
 def chat_template_limits(tokenizer: Any, max_model_len: int, timeout_s: float) -> RenderLimits:
