@@ -23,7 +23,7 @@ from http import HTTPStatus
 from typing import Any
 
 from engine.chat_template_check import chat_template_limits
-from engine.template_bounds import DEFAULT_TIMEOUT_S, TemplateBoundError
+from engine.template_bounds import DEFAULT_TIMEOUT_S, RenderLimits, TemplateBoundError
 from server.errors import SERVER_ERROR, OpenAIError, bad_request
 from server.tokens import apply_chat_template
 
@@ -50,8 +50,15 @@ class ChatRenderer:
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.limits = chat_template_limits(tokenizer, max_model_len, timeout_s)
+        self._context = (max_model_len, timeout_s)
+        self._limits: RenderLimits | None = None  # measured by the first render
         self._threads: ThreadPoolExecutor | None = None  # started by the first render
+
+    @property
+    def limits(self) -> RenderLimits:
+        if self._limits is None:  # (the vocabulary's longest token: ~30 ms, once)
+            self._limits = chat_template_limits(self.tokenizer, *self._context)
+        return self._limits
 
     async def render(
         self,
