@@ -21,7 +21,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
-from engine.template_bounds import RenderLimits, RenderState, render_template
+from engine.template_bounds import DEFAULT_LIMITS, RenderLimits, RenderState, render_template
 from engine.template_sandbox import BoundedSandbox
 
 # A message's reasoning, under the names templates read it by (the first is the standard).
@@ -148,7 +148,7 @@ def render_chat(
         messages=[_message(m) for m in conversation], tools=plain(tools),
         documents=plain(documents), add_generation_prompt=add_generation_prompt, **values,
     )  # fmt: skip
-    with RenderState(limits or RenderLimits()) as state:
+    with RenderState(limits or DEFAULT_LIMITS) as state:
         template = compile_template(source)
         state.start_clock()  # a compile (once per template) is not the render's time
         return render_template(template, variables, state)

@@ -60,6 +60,9 @@ class RenderLimits:
         return max(MIN_TOTAL_BYTES, TOTAL_PER_PROMPT * self.max_prompt_bytes)
 
 
+DEFAULT_LIMITS = RenderLimits()
+
+
 class TemplateBoundError(Exception):
     """A render stopped at one of its bounds; `bound` says which (one of `BOUNDS`), the
     message what the template did ("the chat template ran for more than...")."""
@@ -79,8 +82,9 @@ class RenderState:
     def __init__(self, limits: RenderLimits) -> None:
         self.limits = limits
         self.deadline = time.monotonic() + limits.timeout_s
-        self.max_value = limits.max_value
-        self.max_total = limits.max_total_bytes
+        # `limits.max_value` and `.max_total_bytes`, inline: a state is made per render
+        self.max_value = limits.max_prompt_bytes
+        self.max_total = max(MIN_TOTAL_BYTES, TOTAL_PER_PROMPT * limits.max_prompt_bytes)
         self.spent = 0
 
     def __enter__(self) -> RenderState:
@@ -151,7 +155,7 @@ def current() -> RenderState:
     """This thread's render; outside one (a constant folded while compiling), a fresh state
     of the default bounds."""
     state = _LOCAL.state
-    return state if state is not None else RenderState(RenderLimits())
+    return state if state is not None else RenderState(DEFAULT_LIMITS)
 
 
 def render_template(template: Any, variables: dict[str, Any], state: RenderState) -> str:
