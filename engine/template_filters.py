@@ -22,6 +22,7 @@ from typing import Any
 
 from jinja2 import pass_context, pass_environment
 from jinja2.filters import make_attrgetter
+from markupsafe import Markup
 
 from engine.template_bounds import RenderState, current, join_bounded, text_size
 
@@ -169,10 +170,16 @@ def _number(digits: str) -> int:
     return int(digits) if len(digits) <= 18 else 10**18  # past 18 digits: past any bound
 
 
-def _largest_text(state: RenderState, values: list[Any], conversions: str) -> int:
-    """The longest any of ``values`` can be in the output: quoted, as repr shows it, and
-    escaped ten times over for `ascii()`'s conversion."""
-    factor = 10 if "a" in conversions else 1
+def escaping(text: Any) -> int:
+    """How many times over a value grows when ``text``'s methods put it in: a `Markup`
+    (`escape`, `safe`) escapes what it takes, `<` to `&lt;`, at most 6 characters for 1."""
+    return 6 if isinstance(text, Markup) else 1
+
+
+def _largest_text(state: RenderState, values: list[Any], conversions: str, into: Any) -> int:
+    """The longest any of ``values`` can be in the output: quoted, as repr shows it,
+    escaped ten times over for `ascii()`'s conversion, and escaped into a `Markup`."""
+    factor = (10 if "a" in conversions else 1) * escaping(into)
     return max((factor * text_size([v], state.max_value) for v in values), default=0)
 
 
@@ -189,7 +196,8 @@ def printf_size(state: RenderState, template: Any, values: Any) -> int:
         numbers += [abs(v) for v in items if isinstance(v, int)]
     widest = max(numbers, default=0)
     conversions = "".join(spec[2] for spec in specs)
-    return len(text) + len(specs) * (_largest_text(state, items, conversions) + widest)
+    largest = _largest_text(state, items, conversions, template)
+    return len(text) + len(specs) * (largest + widest)
 
 
 def format_size(state: RenderState, template: str, values: list[Any]) -> int:
@@ -204,7 +212,8 @@ def format_size(state: RenderState, template: str, values: list[Any]) -> int:
         nested = nested or "{" in (spec or "")
     if nested:  # a width from an argument
         widest = max([widest, *(abs(v) for v in values if isinstance(v, int))])
-    return len(template) + fields * (_largest_text(state, values, conversions) + widest)
+    largest = _largest_text(state, values, conversions, template)
+    return len(template) + fields * (largest + widest)
 
 
 # -- the predictors --------------------------------------------------------------------------
@@ -247,11 +256,11 @@ def _format(state: RenderState, context: Any, value: Any, args: tuple, kwargs: d
 
 
 def replace_size(text: Any, old: Any, new: Any, count: Any) -> int:
-    """An upper bound of ``len(text.replace(old, new, count))``."""
+    """An upper bound of ``len(text.replace(old, new, count))`` (a `Markup` escapes `new`)."""
     found = text.count(old) if old else len(text) + 1
     if isinstance(count, int) and count >= 0:
         found = min(found, count)
-    return len(text) + found * max(len(new) - len(old), 0)
+    return len(text) + found * max(escaping(text) * len(new) - len(old), 0)
 
 
 def _replace(state: RenderState, context: Any, value: Any, args: tuple, kwargs: dict) -> tuple:

@@ -38,6 +38,7 @@ from engine.template_filters import (
     bounded_list,
     bounded_range,
     bounded_tojson,
+    escaping,
     format_size,
     linear_sum,
     loop_guard,
@@ -228,12 +229,12 @@ def _check_method(state: RenderState, owner: Any, name: str, args: tuple, kwargs
         tab = "\t" if isinstance(owner, str) else b"\t"
         if isinstance(size, int):
             state.check_length(len(owner) + owner.count(tab) * max(size, 0), "a string")
-    elif name == "replace" and len(args) >= 2 and type(args[0]) is type(args[1]) is type(owner):
+    elif name == "replace" and len(args) >= 2 and _same_kind(owner, *args[:2]):
         count = args[2] if len(args) > 2 else kwargs.get("count", -1)
         state.check_length(replace_size(owner, args[0], args[1], count), "a string")
     elif name == "join" and args:
         items = bounded_list(state, args[0])
-        sizes = sum(len(i) for i in items if isinstance(i, (str, bytes)))
+        sizes = sum(len(i) for i in items if isinstance(i, (str, bytes))) * escaping(owner)
         state.check_length(sizes + len(owner) * max(len(items) - 1, 0), "a string")
         return (items, *args[1:])
     elif name == "translate" and args:
@@ -247,6 +248,11 @@ def _check_method(state: RenderState, owner: Any, name: str, args: tuple, kwargs
         if isinstance(length, int):
             state.check_length(length, "a string")
     return args
+
+
+def _same_kind(owner: Any, *values: Any) -> bool:
+    kind = str if isinstance(owner, str) else bytes
+    return all(isinstance(v, kind) for v in values)
 
 
 def _longest_mapping(table: Any) -> int:
