@@ -145,6 +145,8 @@ def bounded_tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separ
     value bound: compact JSON is measured before the C encoder builds it (`[s] * n` is n
     copies of s); anything else streams from the Python encoder, counted."""
     state = current()
+    if isinstance(indent, int):  # the encoder makes `" " * indent` before any output
+        state.check_length(indent, "a string")
     if indent is None and separators is None and not ensure_ascii:
         state.check_length(text_size(x, state.max_value, as_json=True), "a string")
         return json.dumps(x, ensure_ascii=False, sort_keys=sort_keys)

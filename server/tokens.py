@@ -84,6 +84,10 @@ def encode_prompt(
     return ids
 
 
+# The most of a template's own error message (`raise_exception(...)`) a 400 repeats.
+MAX_REASON_CHARS = 1000
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -109,7 +113,11 @@ def apply_chat_template(
     except TemplateBoundError:
         raise
     except Exception as exc:  # jinja errors: the template refused these messages
-        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
+        reason = str(exc)  # (the template wrote it: as long as a value may be)
+        if len(reason) > MAX_REASON_CHARS:
+            reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason):,} characters)"
+        raise bad_request(f"The chat template rejected the messages: {reason}", "messages") \
+            from exc  # fmt: skip
 
 
 def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -86,6 +86,9 @@ BAD_TEMPLATES = {
     "replace '' by a long string": ("{{ ('x' * 100000).replace('', 'y' * 100) }}", "value size"),
     "batch(10**9) padded": ("{{ [1] | batch(10**9, 0) | list }}", "value size"),
     "a sum of 600,000 lists": ("{{ ([[1]] * 600000) | sum(start=[]) | length }}", "memory"),
+    "tojson indented by 10**9": ("{{ messages | tojson(indent=10**9) }}", "value size"),
+    "an escaped string's replace": ("{{ (('x' * 100000) | safe).replace('', 'y' * 100) }}",
+                                    "value size"),
     "1, 10,000 parentheses deep": (NESTED, "recursion"),
 }  # fmt: skip
 
