@@ -8,7 +8,7 @@ of engine/template_sandbox.py calls this module at every place a template can sp
 `RenderState` is one render's bounds and what it has spent, current on its thread.
 
 A bound is a `TemplateBoundError`; which bound it was (`.bound`) tells the caller whose
-fault it may be (server/chat_rendering.py: the request's, or the template's).
+fault it may be (server/chat_renderer.py: the request's, or the template's).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, NoReturn
 from jinja2.utils import Namespace
 
 # Seconds a render may take. A normal chat renders in ~30 us and the largest prompt the
-# default model's context takes (~650 KB, 1,000 messages) in ~15 ms (bench/chat_template.py):
-# 2 s is over 100 times that, and keeps a hostile template from holding a render thread long.
+# default model's context takes (640 KB, 1,000 messages) in ~5 ms (bench/chat_template.py):
+# 2 s is 400 times that, and keeps a hostile template from holding a render thread long.
 DEFAULT_TIMEOUT_S = 2.0
 # The rendered prompt's bound where no context says better (a template rendered outside
 # the server, e.g. by `LLM.apply_chat_template`): 16 MiB, more than any context holds.

@@ -7,9 +7,10 @@ jinja's sandbox has hooks for some of those places, its code generator for the r
   as are integers past 65,536 bits;
 - `call` (macros, `loop()`, methods): the deadline, and the str methods that grow a string
   (`center`, `replace`, `join`, `format`...) predicted before they run;
-- `+` chains (`a + b + c`) compile to one `environment.add` call, `~` to
-  `environment.str_join`, a slice to `environment.getitem`, and each `{% for %}` iterates
-  through the loop guard of engine/template_filters.py;
+- a `+` chain (`a + b + c`) is measured once added (`environment.checked`; a chain of more
+  than `SHORT_CHAIN` values at each step, `environment.add`), `~` compiles to
+  `environment.str_join`, a slice to `environment.slice_item`, and each `{% for %}`
+  iterates through the loop guard of engine/template_filters.py;
 - `concat` (block, macro and `{% set %}` bodies) and `finalize` (`{{ x }}` of a list) are
   measured before they are built; filters and `range` are engine/template_filters.py's.
 """
