@@ -76,9 +76,9 @@ class _Guarded:
 
     def __iter__(self) -> Iterator[Any]:
         state = current()
-        deadline, clock = state.deadline, time.monotonic
+        clock = time.monotonic
         for item in self._iterable:
-            if clock() > deadline:
+            if clock() > state.next_check:
                 state.check_time()
             yield item
 
