@@ -24,9 +24,9 @@ from typing import Any, NoReturn
 
 from jinja2.utils import Namespace
 
-# Seconds a render may take. A normal chat renders in ~30 us and the largest prompt the
-# default model's context takes (640 KB, 1,000 messages) in ~5 ms (bench/chat_template.py):
-# 2 s is 400 times that, and keeps a hostile template from holding a render thread long.
+# Seconds a render may take. A normal chat renders in ~30-45 us and the largest prompt the
+# default model's context takes (640 KB, 1,000 messages) in 5-10 ms (bench/chat_template.py):
+# 2 s is 200 times that, and keeps a hostile template from holding a render thread long.
 DEFAULT_TIMEOUT_S = 2.0
 # The rendered prompt's bound where no context says better (a template rendered outside
 # the server, e.g. by `LLM.apply_chat_template`): 16 MiB, more than any context holds.
@@ -44,7 +44,7 @@ MAX_INT_BITS = 1 << 16
 # otherwise a template spinning on its thread takes the GIL back at every switch, and each
 # of the many handoffs another request's work needs (the event loop, its own render, the
 # engine thread) waits up to 5 ms: a one-token request to another model took the whole 1 s
-# of a spin. A normal render (~30 us) never reaches it; the largest (~5 ms) slows by 25%.
+# of a spin. A normal render (~30 us) never reaches it; the largest (5-10 ms) by ~1 ms.
 YIELD_EVERY_S = 0.002
 YIELD_FOR_S = 0.0005
 
