@@ -54,26 +54,50 @@ PROBES: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = {
 }  # fmt: skip
 
 _BYTES_PER_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# The same, by the tokenizer's file (its path, size and modification time): each load of a
+# model reads a new tokenizer object, and measuring its vocabulary took 30-60 ms of it.
+_BY_FILE: dict[tuple[str, int, int], int] = {}
 
 
 def bytes_per_token(tokenizer: Any) -> int:
     """The most bytes of text one token of ``tokenizer`` stands for: its vocabulary's longest
     token, at most `MAX_BYTES_PER_TOKEN`. A byte-level BPE token spells each byte as one
     character; any other is measured in UTF-8, at least its text's length (SentencePiece
-    spells a space in three bytes, a byte fallback in six). Cached per tokenizer."""
-    try:
+    spells a space in three bytes, a byte fallback in six). Cached per tokenizer and per
+    tokenizer file."""
+    with contextlib.suppress(KeyError, TypeError):
         return _BYTES_PER_TOKEN[tokenizer]
-    except (KeyError, TypeError):
-        pass
+    key = _file_key(tokenizer)
+    size = _BY_FILE.get(key) if key is not None else None
+    if size is None:
+        size = _longest_token(tokenizer)
+        if key is not None:
+            _BY_FILE[key] = size
+    with contextlib.suppress(TypeError):  # not weakly referable: looked up by file only
+        _BYTES_PER_TOKEN[tokenizer] = size
+    return size
+
+
+def _longest_token(tokenizer: Any) -> int:
     from engine.gguf_tokenizer import byte_alphabet  # (numpy, gguf: not at the server's import)
 
     alphabet = set(byte_alphabet().values()) if _byte_level(tokenizer) else set()
     longest = max((len(t) if alphabet.issuperset(t) else len(t.encode("utf-8", "surrogatepass"))
                    for t in tokenizer.get_vocab()), default=1)  # fmt: skip
-    size = max(1, min(longest, MAX_BYTES_PER_TOKEN))
-    with contextlib.suppress(TypeError):  # not weakly referable: computed each time
-        _BYTES_PER_TOKEN[tokenizer] = size
-    return size
+    return max(1, min(longest, MAX_BYTES_PER_TOKEN))
+
+
+def _file_key(tokenizer: Any) -> tuple[str, int, int] | None:
+    """Where ``tokenizer`` was read from, as a cache key: its tokenizer.json, if it has one."""
+    folder = getattr(tokenizer, "name_or_path", None)
+    if not folder:
+        return None
+    try:
+        file = (Path(folder) / "tokenizer.json").resolve()
+        stat = file.stat()
+    except (OSError, ValueError):
+        return None
+    return str(file), stat.st_size, stat.st_mtime_ns
 
 
 def _byte_level(tokenizer: Any) -> bool:
