@@ -7,7 +7,8 @@ predicted from its arguments, and is refused before it allocates: `center(10**10
 runs. `sum` is replaced by a linear sum (jinja's adds lists one at a time: quadratic), and
 `pprint` and `lipsum` are left out (their output has no cheap bound; no chat template uses
 them). `range` is bounded, and every `{% for %}` iterates through `LOOP_GUARD`, which checks
-the deadline each turn (engine/template_sandbox.py rewrites loops to use it).
+the deadline when the loop starts and, past `UNGUARDED_LOOP` items, at each turn
+(engine/template_sandbox.py rewrites loops to use it).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def loop_guard(context: Any, iterable: Any) -> Any:
 
 
 def bounded_range(*args: int) -> range:
-    """`range`, no longer than the value bound (jinja's sandbox: 100,000)."""
+    """`range`, no longer than the value bound (jinja's own sandbox: 100,000 whatever the
+    context)."""
     numbers = range(*args)
     current().check_length(len(numbers), "a range")
     return numbers
@@ -111,7 +113,8 @@ def bounded_range(*args: int) -> range:
 @pass_environment
 def linear_sum(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
     """jinja's `sum` in linear time: it adds lists (tuples) one by one, copying the sum so
-    far each time, so 600,000 one-item lists took hours; here they are chained once."""
+    far each time (40,000 one-item lists: 1.5 s, and quadratic: 600,000 would take minutes,
+    in C, where no deadline is checked); here they are chained once."""
     if attribute is not None:
         iterable = map(make_attrgetter(environment, attribute), iterable)
     if not isinstance(start, (list, tuple)):
