@@ -35,6 +35,7 @@ from engine.device import (
 )
 from engine.kv_layout import KV_CACHE_DTYPES, kv_row_bytes
 from engine.registry import ATTENTION_BACKENDS, QUANTIZATION_METHODS
+from engine.template_bounds import DEFAULT_TIMEOUT_S
 from scheduler.config import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ def _seconds(value: object) -> bool:
     return number and 0 <= value < 1e9  # type: ignore[operator]
 
 
+def _positive_seconds(value: object) -> bool:
+    return _seconds(value) and value > 0  # type: ignore[operator]
+
+
 class Kind(NamedTuple):
     """A kind of option value: how the command line parses it, and the check `validate()`
     runs on every field of the kind."""
@@ -83,6 +88,7 @@ INTEGER = Kind("int", "an integer", _is_int)
 POSITIVE_INT = Kind("positive_int", "a positive integer", _positive_int)
 BYTES = Kind("size", "a positive number of bytes", _positive_int)  # "2GiB" on the CLI
 SECONDS = Kind("seconds", "a number of seconds >= 0", _seconds)
+POSITIVE_SECONDS = Kind("positive_float", "a number of seconds > 0", _positive_seconds)
 # A field whose flag flips its default (`--no-prefix-caching`).
 SWITCH = Kind("switch", "True or False", lambda value: isinstance(value, bool))
 
@@ -277,6 +283,15 @@ class EngineConfig:
     )
     num_speculative_tokens: int = flag(
         8, POSITIVE_INT, help="the most draft tokens a request verifies in one step (default 8)"
+    )
+    # A model's chat template is its file's code: each render is bounded (docs/limits.md),
+    # in time by this; the template is checked at load under the same bounds.
+    chat_template_timeout: float = flag(
+        DEFAULT_TIMEOUT_S,
+        POSITIVE_SECONDS,
+        help="seconds one render of a chat template may take; past it the request is "
+        "answered 500 (400 when its own messages are that large), and a template that "
+        "takes longer on the probe chats at load is refused (default %(default)s)",
     )
 
     def __post_init__(self) -> None:

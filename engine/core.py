@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.chat_template_check import chat_template_limits, check_chat_template
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.decode_stack import DecodeStack
@@ -32,7 +33,7 @@ from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
 from engine.execution_plan import ExecutionPlan
 from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
-from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer
+from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer, source_gguf
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.outputs import EngineCoreOutput
@@ -70,6 +71,13 @@ class EngineCore:
         start = time.perf_counter()
         engine = config.engine
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
+        # The model's chat template is its file's code: rendered once now, under the bounds
+        # its requests get, before any weight is read (engine/chat_template_check.py).
+        self.chat_template_limits = chat_template_limits(
+            self.tokenizer, config.max_model_len, engine.chat_template_timeout
+        )
+        check_chat_template(self.tokenizer, self.chat_template_limits,
+                            source_gguf(config.model_dir) or config.model_dir)  # fmt: skip
         self.model_name = engine.served_name(config.model_dir)
         self.eos_token_ids = load_generation_eos(config.model_dir, self.tokenizer)
         torch.manual_seed(engine.seed)

@@ -2,16 +2,16 @@
 renders it, without importing transformers.
 
 Templates come with downloaded files, so they are untrusted code: jinja2's immutable
-sandbox, transformers' globals and filters (`raise_exception`, `strftime_now`, a `tojson`
-that does not HTML-escape, a `dict` and a `namespace` without their escape hatches), its
-`{% generation %}` tag (rendered as its body), and the messages rebuilt out of plain JSON
-types before a template sees them.
+sandbox, bounded in time and memory (engine/template_sandbox.py: every render runs under a
+`RenderLimits`), transformers' globals and filters (`raise_exception`, `strftime_now`, a
+`tojson` that does not HTML-escape, a `dict` and a `namespace` without their escape
+hatches), its `{% generation %}` tag (rendered as its body), and the messages rebuilt out
+of plain JSON types before a template sees them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -20,7 +20,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.template_bounds import DEFAULT_LIMITS, RenderLimits, RenderState, render_template
+from engine.template_sandbox import BoundedSandbox
 
 # A message's reasoning, under the names templates read it by (the first is the standard).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -77,24 +79,19 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
-
-
 def _strftime_now(format: str) -> str:  # noqa: A002 - the templates' keyword
     return datetime.now().strftime(format)
 
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_TemplateDict(), namespace=_TemplateNamespace)  # fmt: skip
+    """``source`` compiled (cached: a server compiles its models' templates once). Call it
+    inside a `RenderState`: constants jinja folds while compiling are bounded too."""
+    env = BoundedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now,
+                 "dict": _TemplateDict(), "namespace": _TemplateNamespace},
+    )  # fmt: skip
     return env.from_string(source)
 
 
@@ -136,16 +133,22 @@ def render_chat(
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
     add_generation_prompt: bool = False,
+    limits: RenderLimits | None = None,
     **kwargs: Any,
 ) -> str:
-    """``conversation`` through the template ``source``; jinja's errors (a template that
-    refuses the messages) are raised as they are."""
+    """``conversation`` through the template ``source``, within ``limits`` (None: the
+    defaults); jinja's errors (a template that refuses the messages) are raised as they
+    are, a bound as `TemplateBoundError`."""
     if not conversation:
         raise ValueError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ValueError("tools should be JSON schemas (dicts)")
     values = plain({**special_tokens, **kwargs})
-    return compile_template(source).render(
+    variables = dict(
         messages=[_message(m) for m in conversation], tools=plain(tools),
         documents=plain(documents), add_generation_prompt=add_generation_prompt, **values,
     )  # fmt: skip
+    with RenderState(limits or DEFAULT_LIMITS) as state:
+        template = compile_template(source)
+        state.start_clock()  # a compile (once per template) is not the render's time
+        return render_template(template, variables, state)

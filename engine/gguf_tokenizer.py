@@ -19,7 +19,7 @@ from tokenizers import models as tokenizer_models
 
 from engine.errors import ModelFileError
 from engine.gguf_config import gguf_architecture
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import ArrayInfo, GGUFFile
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
 SPIECE_SPACE = "\u2581"
@@ -67,12 +67,72 @@ def byte_alphabet() -> dict[int, str]:
     return chars
 
 
-def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
-    """The file's tokenizer; `ModelFileError` for a kind this module does not build."""
-    kind = gguf.metadata.get("tokenizer.ggml.model")
-    tokens = gguf.read_array("tokenizer.ggml.tokens")
+# What a vocabulary may hold before anything is built from it. Real ones: up to 262,144
+# tokens (Gemma 3), none longer than a few hundred bytes (SmolLM2's longest: 81), a few MB
+# of text in all, up to ~2.2 merges a token (Llama 3: 280,147 for 128,256). Beyond these a
+# file (whose arrays the reader checked against its size) could still make the build take
+# hours: SentencePiece's merges are derived from every cut of every token.
+MAX_VOCAB = 1 << 21
+MAX_TOKEN_BYTES = 1024
+MAX_VOCAB_BYTES = 16 << 20
+MAX_MERGES_PER_TOKEN = 4
+
+
+def check_vocabulary(gguf: GGUFFile) -> list[str]:
+    """The file's tokens, after their count, lengths and merges are checked against the
+    bounds above (their count against the embedding's rows: engine/model_check.py);
+    `ModelFileError` naming the key and the bound otherwise."""
+    key = "tokenizer.ggml.tokens"
+    info = gguf.metadata.get(key)
+    count = info.count if isinstance(info, ArrayInfo) else 0
+    if count > MAX_VOCAB:
+        raise ModelFileError(f"{gguf.path}: {key} holds {count:,} tokens, over the "
+                             f"{MAX_VOCAB:,} a vocabulary may hold")  # fmt: skip
+    tokens = gguf.read_array(key)
     if not isinstance(tokens, list) or not tokens:
-        raise ModelFileError(f"{gguf.path}: the file has no vocabulary (tokenizer.ggml.tokens)")
+        raise ModelFileError(f"{gguf.path}: the file has no vocabulary ({key})")
+    _check_strings(gguf, key, tokens, MAX_TOKEN_BYTES, MAX_VOCAB_BYTES)
+    key = "tokenizer.ggml.merges"
+    merges = gguf.metadata.get(key)
+    if isinstance(merges, ArrayInfo):
+        if merges.count > MAX_MERGES_PER_TOKEN * len(tokens):
+            raise ModelFileError(f"{gguf.path}: {key} holds {merges.count:,} merges for "
+                                 f"{len(tokens):,} tokens, over {MAX_MERGES_PER_TOKEN} a "
+                                 "token")  # fmt: skip
+        values = gguf.read_array(key)
+        if not isinstance(values, list):
+            raise ModelFileError(f"{gguf.path}: {key} is not an array of strings")
+        _check_strings(gguf, key, values, 2 * MAX_TOKEN_BYTES + 1, None)
+    return tokens
+
+
+def _check_strings(gguf: GGUFFile, key: str, values: list[str], longest: int,
+                   total: int | None) -> None:  # fmt: skip
+    """Each of ``values`` at most ``longest`` UTF-8 bytes, all together at most ``total``
+    (counted in characters first: a character is 1 to 4 bytes)."""
+    chars = max(map(len, values), default=0)
+    if chars * 4 > longest:
+        index, size = max(((i, _utf8(v)) for i, v in enumerate(values) if len(v) * 4 > longest),
+                          key=lambda found: found[1])  # fmt: skip
+        if size > longest:
+            raise ModelFileError(f"{gguf.path}: {key}[{index:,}] is {size:,} bytes long, over "
+                                 f"the {longest:,} one may be")  # fmt: skip
+    if total is not None and sum(map(len, values)) * 4 > total:
+        size = sum(map(_utf8, values))
+        if size > total:
+            raise ModelFileError(f"{gguf.path}: {key} holds {size:,} bytes of text, over "
+                                 f"the {total:,} a vocabulary may")  # fmt: skip
+
+
+def _utf8(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer; `ModelFileError` for a kind this module does not build, or a
+    vocabulary past `check_vocabulary`'s bounds."""
+    kind = gguf.metadata.get("tokenizer.ggml.model")
+    tokens = check_vocabulary(gguf)
     types = gguf.read_array("tokenizer.ggml.token_type")
     types = [int(t) for t in types] if types is not None else [1] * len(tokens)
     if len(types) != len(tokens):

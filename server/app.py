@@ -18,6 +18,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
+from engine.template_bounds import DEFAULT_TIMEOUT_S
 from server.chat import create_chat_completion
 from server.chat_rendering import plain_message
 from server.completions import create_completion
@@ -78,7 +79,6 @@ from server.serving import (
     ServingContext,
     warn_unknown_fields,
 )
-from server.tokens import apply_chat_template
 from server.tool_formats import TOOL_PARSERS
 from server.validation import check_token_ids, check_tokenize_input
 
@@ -99,6 +99,7 @@ def build_app(
     tool_call_parser: str = "auto",
     return_tokens_as_token_ids: bool = False,
     models: ModelRouter | None = None,
+    chat_template_timeout: float = DEFAULT_TIMEOUT_S,
 ) -> FastAPI:
     """The HTTP app over a started-on-demand engine bridge.
 
@@ -117,7 +118,9 @@ def build_app(
     `return_tokens_as_token_ids` whether logprobs write tokens as "token_id:<id>" for the
     requests that do not say (vLLM's flag);
     `models` several models (server/model_router.py), each request served by the one it
-    names, `engine_client` then being their server/router_engine.py.
+    names, `engine_client` then being their server/router_engine.py;
+    `chat_template_timeout` the seconds one render of a chat template may take (the
+    engine's `--chat-template-timeout`, which checked the template at load).
     """
     if max_waiting_requests is not None and max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
@@ -127,7 +130,8 @@ def build_app(
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS}")
-    seconds = {"queue_timeout": queue_timeout, "grammar_compile_timeout": grammar_compile_timeout}
+    seconds = {"queue_timeout": queue_timeout, "grammar_compile_timeout": grammar_compile_timeout,
+               "chat_template_timeout": chat_template_timeout}  # fmt: skip
     for name, value in seconds.items():
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
@@ -141,6 +145,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        chat_template_timeout=chat_template_timeout,
     )
     use = _one_model(ctx) if models is None else models.use
     if models is not None:  # each model served with these options over its own engine
@@ -263,7 +268,7 @@ def _add_openai_routes(
     )  # fmt: skip
     async def messages_count_tokens(body: CountTokensRequest) -> Response:
         async with use(body.model) as model_ctx:
-            return JSONResponse(count_tokens(model_ctx, body).model_dump())
+            return JSONResponse((await count_tokens(model_ctx, body)).model_dump())
 
     # OpenAI's Responses API: the chat route's request in its shapes, and its stored answers.
     @app.post(
@@ -326,7 +331,7 @@ def _add_server_routes(
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest) -> Response:
         async with use(body.model) as model_ctx:
-            return _tokenize(model_ctx, body)
+            return await _tokenize(model_ctx, body)
 
     @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> Response:
@@ -347,7 +352,7 @@ def _add_server_routes(
         return JSONResponse(ResetPrefixCacheResponse(success=all(ok)).model_dump())
 
 
-def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
+async def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
     ctx.check_model(body.model)
     check_tokenize_input(body)
     warn_unknown_fields(body, "/tokenize")
@@ -355,8 +360,9 @@ def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> Response:
     if body.messages is not None:
         # The chat endpoint's message rules (roles, text-only parts) apply here too.
         conversation = [plain_message(i, m) for i, m in enumerate(body.messages)]
-        text = apply_chat_template(tokenizer, conversation, body.add_generation_prompt is not False,
-                                   template_kwargs=body.chat_template_kwargs)  # fmt: skip
+        text = await ctx.chat_renderer.render(conversation,
+                                              body.add_generation_prompt is not False,
+                                              template_kwargs=body.chat_template_kwargs)  # fmt: skip
         tokens = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     else:
         add_special = body.add_special_tokens is not False

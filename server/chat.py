@@ -46,7 +46,7 @@ from server.serving import (
     engine_requests_for_prompt,
     respond,
 )
-from server.tokens import TokenStrings, apply_chat_template, encode_chat
+from server.tokens import TokenStrings, encode_chat
 from server.tool_calls import (
     OutputReading,
     finish_reason,
@@ -69,18 +69,19 @@ async def create_chat_completion(
     return await serve_chat(ctx, req, request_id, "/v1/chat/completions", view, raw_request)
 
 
-def chat_prompt_text(ctx: ServingContext, req: ChatCompletionRequest) -> str:
-    """The request's messages and tools rendered by the chat template, its
-    chat_template_kwargs as the template's extra variables (server/tool_calls.py: how
-    tools, calls and results are shown on a template that has no place for them)."""
+async def chat_prompt_text(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The request's messages and tools rendered by the chat template (on the model's
+    render threads, within its bounds: server/chat_renderer.py), its chat_template_kwargs
+    as the template's extra variables (server/tool_calls.py: how tools, calls and results
+    are shown on a template that has no place for them)."""
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages, tools = template_input(req, conversation(req.messages), template)
-    return apply_chat_template(ctx.tokenizer, messages, req.add_generation_prompt is not False,
-                               tools, req.chat_template_kwargs)  # fmt: skip
+    return await ctx.chat_renderer.render(messages, req.add_generation_prompt is not False,
+                                          tools, req.chat_template_kwargs)  # fmt: skip
 
 
-def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    return encode_chat(ctx.tokenizer, chat_prompt_text(ctx, req))
+async def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    return encode_chat(ctx.tokenizer, await chat_prompt_text(ctx, req))
 
 
 def output_reading(
@@ -111,7 +112,7 @@ async def serve_chat(
     check_request(ctx, req, endpoint, 1, check_chat_supported)
     generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
     constraint = output_constraint(req, generic)
-    prompt_text = chat_prompt_text(ctx, req)
+    prompt_text = await chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
     reading = output_reading(ctx, prompt_text, constraint is not None, generic)
     thinking = _thinking_budget(ctx, req, reading) if constraint is None else None

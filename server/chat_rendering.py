@@ -4,8 +4,9 @@ A request's messages become plain `{role, content}` dicts: OpenAI's roles folded
 ones templates know, text parts joined into one string, an earlier turn's tool calls
 with their arguments as objects. Only text is served: any other content part, and the
 message fields in `UNSUPPORTED_MESSAGE_FIELDS`, are a 400 naming the part or field.
-The second half, applying the model's template and encoding the text, is on the
-tokenizer's side (server/tokens.py: `apply_chat_template`, `encode_chat`).
+The second half, applying the model's template (on its render threads, within its
+bounds: server/chat_renderer.py) and encoding the text, is on the tokenizer's side
+(server/tokens.py: `apply_chat_template`, `encode_chat`).
 """
 
 from __future__ import annotations

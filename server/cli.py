@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from engine.template_bounds import TemplateBoundError
 from server.arg_types import positive_int
 from server.config_flags import (
     add_config_arguments,
@@ -136,14 +137,15 @@ def pin_prefixes(engine: Any, system_prompts: Sequence[str], prefixes: Sequence[
             raise ValueError(f"cannot read the prefix to pin from {value[1:]}: {exc}") from exc
 
     tokenizer, vocab = engine.tokenizer, engine.vocab_size
+    limits = engine.chat_template_limits  # the bounds the template was checked under
     try:
         ids = [
             encode_chat(tokenizer, apply_chat_template(
-                tokenizer, [{"role": "system", "content": text_of(p)}], False))
+                tokenizer, [{"role": "system", "content": text_of(p)}], False, limits=limits))
             for p in system_prompts
         ] + [encode_prompt(tokenizer, text_of(p), vocab, "prompt") for p in prefixes]  # fmt: skip
-    except OpenAIError as exc:
-        raise ValueError(f"cannot pin a prefix: {exc.message}") from exc
+    except (OpenAIError, TemplateBoundError) as exc:
+        raise ValueError(f"cannot pin a prefix: {getattr(exc, 'message', exc)}") from exc
     for token_ids in ids:
         pinned = engine.pin_prefix(token_ids)
         logger.info(
@@ -187,13 +189,15 @@ def run_serve(
             client, router = start_models(server, engine_config, models, load_on_the_engine_thread)
         except ValueError as exc:
             return _error(exc)
-        app = build_app(client, models=router, **server.app_options())
+        app = build_app(client, models=router, **server.app_options(),
+                        chat_template_timeout=engine_config.chat_template_timeout)  # fmt: skip
         print(models_banner(router, server.host, server.port), flush=True)
     else:
         client = _load_engine(engine_config, load_on_the_engine_thread)
         if client is None:
             return 2
-        app = build_app(client, **server.app_options())
+        app = build_app(client, **server.app_options(),
+                        chat_template_timeout=engine_config.chat_template_timeout)  # fmt: skip
         served_name = app.state.ctx.served_model_name
         print(startup_banner(client.core, served_name, server.host, server.port), flush=True)
     limits = clamp_to_open_files(server.connection_limits(), raise_open_file_limit())

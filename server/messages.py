@@ -352,11 +352,11 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     return await serve_chat(ctx, chat, message_id, "/v1/messages", view, raw, ANTHROPIC_STREAM)
 
 
-def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
+async def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> CountTokensResponse:
     chat = chat_request(req)
     ctx.check_model(chat.model)
     check_tools(chat)
-    return CountTokensResponse(input_tokens=len(chat_prompt_ids(ctx, chat)))
+    return CountTokensResponse(input_tokens=len(await chat_prompt_ids(ctx, chat)))
 
 
 def _usage(num_prompt: int, out: RequestOutput) -> MessageUsage:

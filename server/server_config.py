@@ -15,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.config import BYTES, POSITIVE_INT, SECONDS, SWITCH, Kind, declared_problems, flag
+from engine.config import (
+    BYTES,
+    POSITIVE_INT,
+    POSITIVE_SECONDS,
+    SECONDS,
+    SWITCH,
+    Kind,
+    declared_problems,
+    flag,
+)
 from server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -44,18 +53,11 @@ def _port(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
 
 
-def _positive_seconds(value: object) -> bool:
-    # The upper bound refuses inf (and the comparisons refuse nan).
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and 0 < value < 1e9  # type: ignore[operator]
-
-
 def _texts(value: object) -> bool:
     return isinstance(value, tuple) and all(isinstance(text, str) for text in value)
 
 
 PORT = Kind("int", "a port number from 0 to 65535", _port)
-POSITIVE_SECONDS = Kind("positive_float", "a number of seconds > 0", _positive_seconds)
 TEXTS = Kind("append", "a tuple of strings", _texts)  # a repeatable flag: a text a use
 # The keyword arguments of server/app.py's `build_app` that are options here.
 APP_OPTIONS = ("served_model_name", "api_key", "max_waiting_requests", "max_request_body_bytes",

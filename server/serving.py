@@ -22,6 +22,8 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from engine import RequestOutput, SamplingParams, StructuredOutputs, ThinkingBudget
+from engine.template_bounds import DEFAULT_TIMEOUT_S
+from server.chat_renderer import ChatRenderer
 from server.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -74,10 +76,14 @@ class ServingContext:
     tool_call_parser: str = "auto"  # server/tool_formats.py's TOOL_PARSERS
     return_tokens_as_token_ids: bool = False  # a request's own field wins
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' store
+    chat_template_timeout: float = DEFAULT_TIMEOUT_S  # seconds one render may take
     token_strings: TokenStrings = field(init=False)
+    chat_renderer: ChatRenderer = field(init=False)  # this model's, on threads of its own
 
     def __post_init__(self) -> None:
         self.token_strings = TokenStrings(self.engine.tokenizer)
+        self.chat_renderer = ChatRenderer(self.engine.tokenizer, self.engine.max_model_len,
+                                          self.chat_template_timeout, self.served_model_name)  # fmt: skip
 
     @property
     def tokenizer(self) -> Any:

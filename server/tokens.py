@@ -10,6 +10,9 @@ import inspect
 from functools import lru_cache
 from typing import Any
 
+from engine.chat_template_check import chat_template_source
+from engine.gguf_chat_template import render_chat
+from engine.template_bounds import RenderLimits, TemplateBoundError
 from server.errors import bad_request
 from server.protocol import RESERVED_TEMPLATE_KWARGS
 from server.validation import check_token_ids
@@ -91,26 +94,40 @@ def encode_prompt(
     return ids
 
 
+# The most of a template's own error message (`raise_exception(...)`) a 400 repeats.
+MAX_REASON_CHARS = 1000
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    limits: RenderLimits | None = None,
 ) -> str:
-    """The conversation (and any tools) rendered by the model's chat template, with the
-    request's `chat_template_kwargs` as extra variables; 400 when it cannot be."""
-    if not getattr(tokenizer, "chat_template", None):
+    """The conversation (and any tools) rendered by the model's chat template within
+    ``limits`` (engine/template_bounds.py; None: the defaults), with the request's
+    `chat_template_kwargs` as extra variables; 400 when the template refuses them, a
+    `TemplateBoundError` past a bound (server/chat_renderer.py answers it). Every model's
+    template, a Hugging Face tokenizer's too, renders in the bounded sandbox, as
+    transformers' `apply_chat_template(tokenize=False)` renders it."""
+    source = chat_template_source(tokenizer, tools)
+    if source is None:
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
     extra = check_template_kwargs(tokenizer, template_kwargs)
+    special = getattr(tokenizer, "special_tokens_map", None) or {}
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **extra,
-        )  # fmt: skip
+        return render_chat(source, conversation, special, tools, None, add_generation_prompt,
+                           limits=limits, **extra)  # fmt: skip
+    except TemplateBoundError:
+        raise
     except Exception as exc:  # jinja errors: the template refused these messages
-        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
-    return text if isinstance(text, str) else str(text)
+        reason = str(exc)  # (the template wrote it: as long as a value may be)
+        if len(reason) > MAX_REASON_CHARS:
+            reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason):,} characters)"
+        raise bad_request(f"The chat template rejected the messages: {reason}", "messages") \
+            from exc  # fmt: skip
 
 
 def check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class Ingress:
 
     async def __serve_build_asgi_app__(self) -> Any:
         from engine.loader import load_tokenizer, resolve_model_dir
+        from engine.template_bounds import DEFAULT_TIMEOUT_S
         from server.app import build_app
         from server.replicas.remote_engine import RemoteEngine
 
@@ -105,7 +106,8 @@ class Ingress:
         model_dir = resolve_model_dir(self._engine_kwargs.get("model"),
                                       self._engine_kwargs.get("cache_dir"))  # fmt: skip
         engine = RemoteEngine(self._replicas, load_tokenizer(model_dir), facts)
-        return build_app(engine, **self._server_kwargs)
+        timeout = self._engine_kwargs.get("chat_template_timeout", DEFAULT_TIMEOUT_S)
+        return build_app(engine, **self._server_kwargs, chat_template_timeout=timeout)
 
 
 def build(args: dict[str, Any]) -> Any:

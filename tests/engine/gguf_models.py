@@ -4,7 +4,9 @@ multiply, plus one they do not (Q2_K: served dequantized)."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -274,3 +276,44 @@ def _write_vocab(w: GGUFWriter, vocab: dict, template: str | None, arch: str) ->
         w.add_add_space_prefix(False)  # Gemma3Model.set_vocab
     if template is not None:
         w.add_chat_template(template)
+
+
+# -- the default model with another chat template ------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _file_bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def write_with_chat_template(
+    path: Path, template: str, source: Path | None = None, weights: bool = True
+) -> Path:
+    """The default GGUF (or ``source``) with ``template`` as its `tokenizer.chat_template`: the
+    key's value spliced into the header's bytes, the data section moved to the next aligned
+    offset (tensor offsets count from there), every other byte as it was. ``weights=False``:
+    the data section left a hole of zeros, for a test that never reads a weight (the file
+    is written in milliseconds rather than ~0.2 s)."""
+    source = source or default_gguf_path()
+    raw = _file_bytes(source)
+    table = GGUFFile(source)
+    last = table.tensors[-1]  # the table's last entry ends the header
+    name = last.name.encode()
+    entry = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    header_end = entry + 4 + 8 * len(last.shape) + 4 + 8
+    alignment = table.metadata.get("general.alignment", 32)
+    data_start = -(-header_end // alignment) * alignment
+    key = b"tokenizer.chat_template"
+    value_at = raw.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4  # after its type
+    (length,) = struct.unpack_from("<Q", raw, value_at)
+    text = template.encode("utf-8")
+    header = (raw[:value_at] + struct.pack("<Q", len(text)) + text
+              + raw[value_at + 8 + length : header_end])  # fmt: skip
+    header += b"\0" * (-len(header) % alignment)
+    with open(path, "wb") as f:
+        f.write(header)
+        if weights:
+            f.write(memoryview(raw)[data_start:])
+        else:
+            f.truncate(len(header) + len(raw) - data_start)
+    return path

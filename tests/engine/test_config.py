@@ -436,8 +436,8 @@ def test_the_config_imports_no_implementation_until_a_choice_is_read():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, choices = out.stdout.splitlines()
-    assert before == str(
+    assert before == str(  # (template_bounds: the chat template timeout's default)
         ["engine.config", "engine.default_model", "engine.device", "engine.kv_layout",
-         "engine.registry"]
+         "engine.registry", "engine.template_bounds"]
     )  # fmt: skip
     assert "'cpu-paged'" in choices and "'int4'" in choices and "'int8'" in choices
