@@ -1,17 +1,19 @@
 """HybridKVCacheManager: one KVCacheManager per KV cache group (kv_cache/groups.py) over one
-shared block pool, behind the interface the scheduler speaks to a single manager.
+shared block pool, and a model's recurrent layers' state group (kv_cache/state_group.py)
+over a pool of state slots, behind the interface the scheduler speaks to a single manager.
 
 A prefix hit must serve every group: it is the longest prefix each group can serve, found
 as vLLM's hybrid coordinator does. A full-attention group's hit is a prefix of the prompt
 (any shorter prefix is a hit too); a sliding-window group needs only the last blocks
 before the hit's end, so it is asked for its best hit within the full groups' one, and
-every group again within the shortest answer until they agree. Allocation checks what
-every group needs against the shared free queue before any group takes a block, so a
-request gets room in all its groups or in none.
+every group again within the shortest answer until they agree. A state group's hit ends
+at a snapshot of the state, so it is asked the same way. Allocation checks what every
+group needs against the shared free queue (and the state group against its slots) before
+any group takes a block, so a request gets room in all its groups or in none.
 
 `get_block_ids` is the first group's table (the one a single-group model has);
 `get_group_block_ids` gives the others, which the model runner turns into each group's
-attention metadata.
+attention metadata; `take_state_step` what the step does with the request's state.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kv_cache.invariants import check_ref_counts
 from kv_cache.manager import KVCacheManager
 from kv_cache.request_state import RequestLike
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
+from kv_cache.state_group import StateCacheManager, StateGroup, StateStep
 from kv_cache.stats import BlockCounts, GroupBlocks, PrefixCacheStats
 
 GroupHits = list[list[KVCacheBlock | None]]
@@ -43,8 +46,9 @@ class HybridKVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "builtin",
         event_listener: EventListener | None = None,
+        state: StateGroup | None = None,
     ) -> None:
-        if len(groups) < 2:
+        if len(groups) + (state is not None) < 2:
             raise ValueError("a hybrid KV cache manager needs two groups or more")
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -61,6 +65,10 @@ class HybridKVCacheManager:
             )  # fmt: skip
             for g, group in enumerate(groups)
         )
+        self.state = (StateCacheManager(state, block_size, enable_caching, hash_algo)
+                      if state is not None else None)  # fmt: skip
+        # Every group a hit must serve and an allocation must fit: the KV groups, the state.
+        self.members = self.groups + ((self.state,) if self.state is not None else ())
         # The requests' prefix-cache figures: the first group's (each group counts the
         # same request, and a hit is the same number of tokens in every group).
         self.stats: PrefixCacheStats = self.groups[0].stats
@@ -89,10 +97,10 @@ class HybridKVCacheManager:
         """Each group's hit blocks for the longest prefix every group serves, and its
         length in tokens."""
         if not self.enable_caching:
-            return [[] for _ in self.groups], 0
+            return [[] for _ in self.members], 0
         limit: int | None = None
         while True:
-            hits = [group.get_computed_blocks(req, limit)[0] for group in self.groups]
+            hits = [group.get_computed_blocks(req, limit)[0] for group in self.members]
             shortest = min(len(h) for h in hits)
             if all(len(h) == shortest for h in hits):
                 break
@@ -116,31 +124,41 @@ class HybridKVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Room for num_new_tokens in every group, or None with no block taken. Returns
         the blocks newly allocated across the groups."""
-        hits = hits or [[] for _ in self.groups]
+        hits = hits or [[] for _ in self.members]
         needed = sum(
             group.num_blocks_needed(req, num_new_tokens, h)
-            for group, h in zip(self.groups, hits, strict=True)
+            for group, h in zip(self.groups, hits[: len(self.groups)], strict=True)
         )
         if needed > len(self.block_pool.free_block_queue):
             return None
-        for group, h in zip(self.groups, hits, strict=True):
+        state = self.state
+        if state is not None and state.num_blocks_needed(req, num_new_tokens, hits[-1]) > (
+            state.num_free_slots
+        ):
+            return None
+        for group, h in zip(self.members, hits, strict=True):
             group.take_hits(req, h)  # all hits held before any group evicts for new blocks
         return [
             block
-            for group, h in zip(self.groups, hits, strict=True)
+            for group, h in zip(self.members, hits, strict=True)
             for block in group.allocate_new(req, num_new_tokens, len(h))
         ]
 
     def free(self, req: RequestLike | str) -> None:
-        for group in self.groups:
+        for group in self.members:
             group.free(req)
 
     def trim(self, req: RequestLike) -> int:
         return sum(group.trim(req) for group in self.groups)
 
     def uncache_unwritten(self, request_id: str, num_written_tokens: int) -> None:
-        for group in self.groups:
+        for group in self.members:
             group.uncache_unwritten(request_id, num_written_tokens)
+
+    def take_state_step(self, request_id: str) -> StateStep | None:
+        """What the request's step does with its state (kv_cache/state_group.py), or None
+        for a model without a state group."""
+        return self.state.take_step(request_id) if self.state is not None else None
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
         return self.groups[0].get_block_ids(request_id)
@@ -159,7 +177,10 @@ class HybridKVCacheManager:
                         m.num_blocks_in_use)
             for g, m in enumerate(self.groups)
         )  # fmt: skip
-        return dataclasses.replace(self.block_pool.block_counts(), groups=groups)
+        counts = dataclasses.replace(self.block_pool.block_counts(), groups=groups)
+        if self.state is not None:
+            counts = dataclasses.replace(counts, states=self.state.slot_counts())
+        return counts
 
     def snapshot(self, max_prefixes: int = 10) -> PoolSnapshot:
         tables = [t for group in self.groups for t in group.held_tables()]
@@ -169,9 +190,15 @@ class HybridKVCacheManager:
         raise ValueError("pinning a prefix is not supported for hybrid models yet")
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if self.state is not None and self.state.num_slots_in_use:
+            return False  # (checked first: neither pool is cleared unless both can be)
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        return self.state is None or self.state.reset_prefix_cache()
 
     def check_invariants(self) -> None:
+        if self.state is not None:
+            self.state.check_invariants()
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_blocks
         for group in self.groups:
@@ -188,15 +215,17 @@ def kv_cache_manager_for(
     hash_algo: str = "builtin",
     event_listener: EventListener | None = None,
     tier: HostTier | None = None,
+    state: StateGroup | None = None,
 ) -> KVCacheManager | HybridKVCacheManager:
-    """The manager of a model with these KV cache groups (None: one full-attention group):
-    a `KVCacheManager` for one group, a hybrid one over a shared pool for several."""
+    """The manager of a model with these KV cache groups (None: one full-attention group)
+    and state group (None: no recurrent layers): a `KVCacheManager` for one group, a hybrid
+    one over a shared pool for several or beside a state group."""
     groups = groups or ()
-    if len(groups) < 2:
+    if len(groups) < 2 and state is None:
         window = groups[0].window if groups else None
         return KVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
                               event_listener, tier, window)  # fmt: skip
     if tier is not None:
         raise ValueError("the second KV tier does not serve hybrid models yet")
-    return HybridKVCacheManager(num_blocks, block_size, groups, enable_caching, hash_algo,
-                                event_listener)  # fmt: skip
+    return HybridKVCacheManager(num_blocks, block_size, groups or (KVCacheGroup(None, ()),),
+                                enable_caching, hash_algo, event_listener, state)  # fmt: skip

@@ -37,6 +37,19 @@ class GroupBlocks:
 
 
 @dataclass(frozen=True, slots=True)
+class StateSlots:
+    """A state group's slots (kv_cache/state_group.py) by state, as blocks are counted."""
+
+    free: int = 0
+    cached: int = 0  # snapshots a hit can copy
+    in_use: int = 0  # live states of running requests, and snapshots being written
+
+    @property
+    def total(self) -> int:
+        return self.free + self.cached + self.in_use
+
+
+@dataclass(frozen=True, slots=True)
 class BlockCounts:
     """The pool's blocks by state; the three states add up to `total`.
 
@@ -49,6 +62,8 @@ class BlockCounts:
     in_use: int = 0  # held by at least one request
     # A hybrid model's in-use blocks by group (they add up to in_use); () for one group.
     groups: tuple[GroupBlocks, ...] = ()
+    # A model with recurrent layers: its state slots (not blocks: not in the three above).
+    states: StateSlots | None = None
 
     @property
     def total(self) -> int:

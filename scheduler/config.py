@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_cache.groups import KVCacheGroup
+from kv_cache.state_group import StateGroup
 
 PREFIX_CACHE_HASHES = ("builtin", "sha256")
 # "fcfs": arrival order, nobody overtakes the head. "lpm": longest cached prefix first,
@@ -36,6 +37,8 @@ class SchedulerConfig:
     age_bound_s: float = 5.0
     # The model's KV cache groups (kv_cache/groups.py); None: one full-attention group.
     kv_cache_groups: tuple[KVCacheGroup, ...] | None = None
+    # The model's recurrent layers' state group (kv_cache/state_group.py); None: none.
+    state_group: StateGroup | None = None
 
     def __post_init__(self) -> None:
         self.verify()

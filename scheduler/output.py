@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_cache.state_group import StateStep
 from scheduler.request import Request
 
 
@@ -30,6 +31,8 @@ class ScheduledRequest:
     # A hybrid model's other KV cache groups' tables (kv_cache/hybrid.py), in group order;
     # () for a model of one group.
     group_block_ids: tuple[tuple[int, ...], ...] = ()
+    # A model with recurrent layers: what this step does with the request's state slot.
+    state: StateStep | None = None
 
 
 @dataclass(slots=True)

@@ -74,9 +74,13 @@ class Scheduler:
             hash_algo=config.prefix_cache_hash,
             event_listener=kv_event_listener,
             tier=tier,
+            state=config.state_group,
         )
-        # A hybrid model's other groups' tables ride with each scheduled request.
+        # A hybrid model's other groups' tables ride with each scheduled request, and with
+        # recurrent layers what the step does with its state.
         self._group_tables = getattr(self.kv_cache_manager, "get_group_block_ids", None)
+        self._state_step = (self.kv_cache_manager.take_state_step
+                            if config.state_group is not None else None)  # fmt: skip
         self.requests: dict[str, Request] = {}  # unfinished: waiting + running
         # Arrival order; preempted requests go to the head.
         self.waiting: deque[Request] = deque()
@@ -223,6 +227,7 @@ class Scheduler:
         allocate = self.kv_cache_manager.allocate_slots
         block_table = self.kv_cache_manager.get_block_ids
         group_tables = self._group_tables
+        state_step = self._state_step
         make = ScheduledRequest
         running = self.running
         index = 0
@@ -268,6 +273,7 @@ class Scheduler:
                     len(new_blocks),
                     len(drafts),
                     group_tables(request_id) if group_tables else (),
+                    state_step(request_id) if state_step else None,
                 )
             )
             budget -= num_new
@@ -391,6 +397,7 @@ class Scheduler:
             end == len(all_ids),
             len(block_ids),  # just admitted: its whole table is new
             group_block_ids=group_tables(request.request_id) if group_tables else (),
+            state=self._state_step(request.request_id) if self._state_step else None,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -1,0 +1,199 @@
+"""The state group (kv_cache/state_group.py): a live slot per running request, snapshots at
+block boundaries cached once written, a prefix hit that resumes from the last snapshot
+inside it, and every slot back when a request ends, however it ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_cache.groups import KVCacheGroup
+from kv_cache.hybrid import HybridKVCacheManager, kv_cache_manager_for
+from kv_cache.state_group import ZERO, StateGroup, StateStep
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+BS = 4
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    extra_keys: tuple = ()
+    output: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
+
+
+def manager(num_slots: int = 8, interval: int = 2, num_blocks: int = 64) -> HybridKVCacheManager:
+    mgr = kv_cache_manager_for(
+        (KVCacheGroup(None, (3,)),),
+        num_blocks,
+        BS,
+        state=StateGroup(layers=(0, 1, 2), num_slots=num_slots, snapshot_interval=interval),
+    )
+    assert isinstance(mgr, HybridKVCacheManager)
+    return mgr
+
+
+def admit(mgr: HybridKVCacheManager, req: Req, budget: int = 10_000) -> tuple[int, StateStep]:
+    """A scheduler's admission: lookup, allocate, advance; the hit and the step."""
+    hits, num_hit = mgr.get_computed_blocks(req)
+    num_new = min(len(req.all_token_ids) - num_hit, budget)
+    assert mgr.allocate_slots(req, num_new, hits) is not None
+    req.num_computed_tokens = num_hit + num_new
+    step = mgr.take_state_step(req.request_id)
+    assert step is not None
+    return num_hit, step
+
+
+def decode(mgr: HybridKVCacheManager, req: Req, token: int) -> StateStep:
+    """The step after a sampled token: its KV and its state."""
+    req.all_token_ids.append(token)
+    assert mgr.allocate_slots(req, 1) is not None
+    req.num_computed_tokens += 1
+    step = mgr.take_state_step(req.request_id)
+    assert step is not None
+    return step
+
+
+def test_a_new_request_zeroes_its_slot_and_snapshots_each_interval_and_its_prompt_end():
+    mgr = manager()
+    req = Req("a", list(range(30)))  # 7 full blocks and 2 tokens
+    hit, step = admit(mgr, req)
+    assert hit == 0 and step.source == ZERO
+    # Every 2 blocks (8 tokens), and the last boundary before the prompt's last token (28).
+    assert [end for end, _ in step.saves] == [8, 16, 24, 28]
+    assert step.slot not in {slot for _, slot in step.saves}
+    assert len({slot for _, slot in step.saves}) == 4
+    mgr.check_invariants()
+
+
+def test_a_repeat_resumes_from_the_prompt_end_snapshot_once_it_was_written():
+    mgr = manager()
+    first = Req("a", list(range(30)))
+    _, step = admit(mgr, first)
+    # Not before the step that writes it has run: a lookup in the same step misses.
+    assert mgr.get_computed_blocks(Req("early", list(range(30))))[1] == 0
+    mgr.free("early")
+    decode(mgr, first, 99)  # the first request's next step: its snapshots are written
+    again = Req("b", list(range(30)))
+    hit, step_b = admit(mgr, again)
+    assert hit == 28
+    assert step_b.source == dict((e, s) for e, s in step.saves)[28]
+    assert step_b.saves == ()  # nothing new to snapshot in the 2 tokens left
+    # The copy's source is held until that step has run, then free (cached) again.
+    assert mgr.state.pool.blocks[step_b.source].ref_cnt == 1
+    decode(mgr, again, 5)
+    assert mgr.state.pool.blocks[step_b.source].ref_cnt == 0
+    mgr.check_invariants()
+
+
+def test_a_longer_prompt_resumes_from_the_last_snapshot_inside_its_shared_prefix():
+    mgr = manager()
+    first = Req("a", list(range(30)))
+    admit(mgr, first)
+    mgr.free(first)
+    # Shares 26 tokens: blocks 0..5 (24 tokens) whole, so the snapshot at 24 serves it.
+    other = Req("b", list(range(26)) + [500 + i for i in range(20)])
+    hit, step = admit(mgr, other)
+    assert hit == 24 and step.source != ZERO
+    assert [end for end, _ in step.saves] == [32, 40, 44]
+    mgr.check_invariants()
+
+
+def test_the_hit_is_the_longest_prefix_every_group_serves():
+    mgr = manager()
+    first = Req("a", list(range(30)))
+    admit(mgr, first)
+    mgr.free(first)
+    # Evict the KV blocks past block 2 (the snapshots survive): the hit shrinks to the
+    # last snapshot within the KV hit, 8 tokens.
+    kv = mgr.groups[0]
+    probe = Req("probe", list(range(30)))
+    hashes = kv._lookup(probe)[0].block_hashes
+    for h in hashes[3:]:
+        mgr.block_pool.uncache(mgr.block_pool.cached_hash_to_block[h])
+    kv.free(probe)
+    hit, step = admit(mgr, Req("b", list(range(30))))
+    assert hit == 8 and step.source != ZERO
+    mgr.check_invariants()
+
+
+def test_state_memory_does_not_grow_with_the_sequence():
+    mgr = manager(num_slots=6, interval=2, num_blocks=200)
+    req = Req("a", list(range(10)))
+    admit(mgr, req)
+    held = []
+    for token in range(400):
+        decode(mgr, req, token)
+        held.append(mgr.state.num_slots_in_use)
+    # One live slot, plus at most the snapshot a step is writing; the KV blocks grow.
+    assert max(held) == 2 and min(held) == 1
+    assert mgr.groups[0].num_blocks_in_use >= 410 // BS
+    mgr.check_invariants()
+
+
+def test_snapshots_take_only_the_slots_left_and_never_block_a_request():
+    mgr = manager(num_slots=2, interval=1)
+    req = Req("a", list(range(40)))  # 9 boundaries wanted
+    _, step = admit(mgr, req)
+    assert [end for end, _ in step.saves] == [40]  # one slot left: the longest kept
+    # A second request needs a live slot; the snapshot is free once its step ran.
+    other = Req("b", [7] * 9)
+    hits, _ = mgr.get_computed_blocks(other)
+    assert mgr.allocate_slots(other, 9, hits) is None  # both slots held this step
+    mgr.free(other)
+    decode(mgr, req, 1)
+    _, step_b = admit(mgr, other)
+    assert step_b.source == ZERO
+    mgr.check_invariants()
+
+
+def test_every_slot_comes_back_when_requests_end_however_they_end():
+    mgr = manager(num_slots=16)
+    reqs = [Req(str(i), [i] * 30) for i in range(3)]
+    for req in reqs:
+        admit(mgr, req)
+    decode(mgr, reqs[0], 1)
+    mgr.uncache_unwritten("1", 0)  # request 1's step failed: its snapshots hold nothing
+    for req in reqs:
+        mgr.free(req)
+    assert mgr.state.num_slots_in_use == 0
+    counts = mgr.block_counts().states
+    assert counts is not None and counts.in_use == 0 and counts.total == 16
+    # Request 0's and 2's snapshots are cached; request 1's are not.
+    assert mgr.get_computed_blocks(Req("r0", [0] * 30))[1] == 28
+    assert mgr.get_computed_blocks(Req("r1", [1] * 30))[1] == 0
+    assert mgr.get_computed_blocks(Req("r2", [2] * 30))[1] == 28
+    for rid in ("r0", "r1", "r2"):
+        mgr.free(rid)
+    mgr.check_invariants()
+    assert mgr.reset_prefix_cache()
+    assert mgr.get_computed_blocks(Req("r0", [0] * 30))[1] == 0
+
+
+def test_without_prefix_caching_no_snapshot_is_taken():
+    mgr = kv_cache_manager_for(
+        (KVCacheGroup(None, (1,)),), 64, BS, enable_caching=False,
+        state=StateGroup(layers=(0,), num_slots=4),
+    )  # fmt: skip
+    hit, step = admit(mgr, Req("a", list(range(100))))
+    assert hit == 0 and step.source == ZERO and step.saves == ()
+
+
+def test_the_scheduler_hands_each_step_its_state_instructions():
+    config = SchedulerConfig(
+        max_num_batched_tokens=16, block_size=BS, num_blocks=64,
+        kv_cache_groups=(KVCacheGroup(None, (1,)),),
+        state_group=StateGroup(layers=(0,), num_slots=4, snapshot_interval=2),
+    )  # fmt: skip
+    sched = Scheduler(config)
+    sched.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=4)))
+    first = sched.schedule().scheduled[0]  # a 16-token chunk
+    assert first.state.source == ZERO and [e for e, _ in first.state.saves] == [8, 16]
+    second = sched.schedule().scheduled[0]  # the last 4 tokens; none before 19 is new
+    assert second.state.slot == first.state.slot and second.state.source is None
+    assert second.state.saves == ()
