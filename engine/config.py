@@ -169,6 +169,20 @@ class EngineConfig:
     num_blocks: int | None = flag(
         None, POSITIVE_INT, exclusive="kv cache size", help="number of KV blocks"
     )
+    # A linear-attention model's state slots (kv_cache/state_group.py): each running
+    # request's state and the prefix cache's snapshots of states.
+    state_slots: int | None = flag(
+        None,
+        POSITIVE_INT,
+        help="linear-attention models: state slots (each running request's state and the "
+        "prefix cache's snapshots; default: half the KV cache budget)",
+    )
+    state_snapshot_interval: int = flag(
+        16,
+        POSITIVE_INT,
+        help="linear-attention models: blocks between the prefix cache's snapshots of a "
+        "sequence's state, besides one at the end of each prompt (default 16)",
+    )
     # "auto": the model's dtype; "int8": rows of int8 values and a float16 scale per token
     # and KV head (engine/attention/kv_cache.py), 1.94x bf16's blocks, 3.9x float32's.
     kv_cache_dtype: str = flag(
@@ -392,11 +406,25 @@ class EngineConfig:
             )
         return budget // per_block
 
-    def describe_kv_cache(self, num_blocks: int) -> str:
+    def split_for_states(self, num_blocks: int, per_block: int, slot_bytes: int) -> tuple[int, int]:
+        """(KV blocks, state slots) of a model with linear-attention layers, out of the
+        `num_blocks` its budget holds: the slots `state_slots` asks for, else half the
+        budget's (at least 2, at most 4 per running request); the blocks what is left,
+        unless `num_blocks` fixed them."""
+        slots = self.state_slots
+        if slots is None:
+            slots = min(max(num_blocks * per_block // 2 // slot_bytes, 2), 4 * self.max_num_seqs)
+        if self.num_blocks is not None:
+            return num_blocks, slots
+        return max((num_blocks * per_block - slots * slot_bytes) // per_block, 1), slots
+
+    def describe_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> str:
         tokens = num_blocks * self.block_size
+        states = (f"; {num_state_slots} state slots, a snapshot every "
+                  f"{self.state_snapshot_interval} blocks" if num_state_slots else "")  # fmt: skip
         return (
             f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
-            f"({tokens} tokens max concurrently)"
+            f"({tokens} tokens max concurrently){states}"
         )
 
 

@@ -40,6 +40,7 @@ from engine.outputs import EngineCoreOutput
 from engine.resolved_config import ResolvedConfig
 from engine.sampling_metadata import make_generator
 from engine.speculative import DRAFTERS, Speculator
+from engine.state_cache import StateTensors, allocate_state_cache
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from engine.tp_worker import start_workers, stop_workers, worker_step
@@ -87,7 +88,7 @@ class EngineCore:
         stack = DecodeStack.build(model, config.plan)
         # The plan, completed with what packing the weights decided.
         plan = config.plan.with_weights(model.weight_formats(), stack.max_rows if stack else 0)
-        self.config = config = config.with_plan(plan).with_num_blocks(self._num_kv_blocks(config))
+        self.config = config = config.with_plan(plan).with_num_blocks(*self._cache_size(config))
         # Ranks 1..N-1 (engine/tp_worker.py): started once the cache size they share is known.
         self._tp_workers = start_workers(config) if tp_size > 1 else []
         tensors = allocate_kv_cache(
@@ -95,8 +96,11 @@ class EngineCore:
             model.head_dim, config.dtype, config.device, engine.kv_cache_quantized,
         )  # fmt: skip
         # Each layer's pair: its own, or in a hybrid model one its KV cache group shares
-        # with a layer of each other group (kv_cache/groups.py).
-        kv_caches = [tensors[slot] for slot in config.layer_kv_slots()]
+        # with a layer of each other group (kv_cache/groups.py); a linear-attention layer's
+        # state slots in its place (engine/state_cache.py).
+        states = iter(self._allocate_states(config))
+        kv_caches = [tensors[slot] if slot >= 0 else next(states)
+                     for slot in config.layer_kv_slots()]  # fmt: skip
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, config.vocab_size, self.eos_token_ids
         )
@@ -116,6 +120,9 @@ class EngineCore:
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         drafter = DRAFTERS.get(engine.speculative)
+        if drafter is not None and config.state_layers:
+            raise ValueError("speculative decoding does not serve linear-attention layers yet "
+                             "(their state cannot be rolled back past rejected drafts)")  # fmt: skip
         self.speculator = (
             Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, drafter(), self._encode_text)
             if drafter is not None
@@ -128,7 +135,8 @@ class EngineCore:
         logger.info(
             "loaded %s (%s, %s, %s; %s) in %.1fs; %s",
             self.model_name, config.hf_config.model_type, config.dtype, config.device,
-            self.compute_summary, self.load_seconds, engine.describe_kv_cache(config.num_blocks),
+            self.compute_summary, self.load_seconds,
+            engine.describe_kv_cache(config.num_blocks, config.num_state_slots),
         )  # fmt: skip
 
     @classmethod
@@ -230,9 +238,32 @@ class EngineCore:
 
     # -- sizing the KV cache ---------------------------------------------------------------
 
+    def _cache_size(self, config: ResolvedConfig) -> tuple[int, int]:
+        """(KV blocks, state slots): a model with linear-attention layers splits the
+        budget between them (`EngineConfig.split_for_states`)."""
+        num_blocks = self._num_kv_blocks(config)
+        if not config.state_layers:
+            return num_blocks, 0
+        engine, dtype_bytes = config.engine, config.dtype.itemsize
+        per_block = engine.kv_cache_bytes_per_block(
+            config.kv_cache_tensors, self.model.num_kv_heads, self.model.head_dim, dtype_bytes
+        )
+        shape = self.model.arch.linear_attention.state_shape()
+        slot_bytes = shape.slot_bytes(dtype_bytes) * len(config.state_layers)
+        return engine.split_for_states(num_blocks, per_block, slot_bytes)
+
+    def _allocate_states(self, config: ResolvedConfig) -> list[StateTensors]:
+        if not config.state_layers:
+            return []
+        shape = self.model.arch.linear_attention.state_shape()
+        return allocate_state_cache(len(config.state_layers), config.num_state_slots, shape,
+                                    config.dtype, config.device)  # fmt: skip
+
     def _num_kv_blocks(self, config: ResolvedConfig) -> int:
         # Profiling runs a forward pass, which under tensor parallelism needs every rank.
-        profiles = config.engine.profiles_memory(config.device) and self.model.tp is None
+        # (Not yet with linear-attention layers, whose step needs state slots to run.)
+        profiles = (config.engine.profiles_memory(config.device) and self.model.tp is None
+                    and not config.state_layers)  # fmt: skip
         gpu_memory = self._profile_memory(config) if profiles else None
         return config.engine.kv_cache_num_blocks(
             config.kv_cache_tensors, self.model.num_kv_heads, self.model.head_dim,

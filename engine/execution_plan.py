@@ -74,16 +74,17 @@ class ModelShape(NamedTuple):
     # (kv_cache/groups.py: more than one when windowed and full layers mix).
     sliding_window: bool = False
     kv_cache_groups: int = 1
+    recurrent: bool = False  # layers that keep a state (kv_cache/state_group.py)
 
     @classmethod
     def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
         model = get_model_class(hf_config)
         arch = model.architecture(hf_config)
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
-        windows = model.layer_windows(hf_config)
+        windows, states = model.layer_windows(hf_config), model.state_layers(hf_config)
         return cls(heads // tp_size, max(kv_heads // tp_size, 1), arch.head_dim,
                    arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit(),
-                   any(windows), len(kv_cache_groups(windows)))  # fmt: skip
+                   any(windows), len(kv_cache_groups(windows, states)), bool(states))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -173,10 +174,17 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
     if tp > 1 and shape.kv_cache_groups > 1:
         raise ValueError("tensor parallelism does not serve models that mix sliding-window "
                          "and full-attention layers yet")  # fmt: skip
+    if tp > 1 and shape.recurrent:
+        raise ValueError("tensor parallelism does not serve linear-attention layers yet")
+    if config.deterministic and shape.recurrent:
+        raise batch_variant_error("linear-attention layers prefill in chunks whose sums "
+                                  "round by where a step cuts the prompt")  # fmt: skip
     kv_int8 = config.kv_cache_dtype == "int8"
     layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp, kv_int8)
     attention = resolve_attention(config, device, dtype, quantization.layers, shape)
     graphs_off = graphs_off_reason(device, config.enforce_eager, attention, tp)
+    if graphs_off is None and shape.recurrent:
+        graphs_off = "linear-attention layers"  # (their state steps are not captured)
     stack = layer_ops not in (TORCH_OPS, TRITON_OPS) and attention == "cpu-paged"
     llama_layer = shape._replace(silu=True, layer_ops_misfit=None, decode_stack_misfit=None)
     model_layer = ""

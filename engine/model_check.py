@@ -59,7 +59,15 @@ def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str
     sizes = ((q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (ffn, hidden), (ffn, hidden),
              (hidden, ffn))  # fmt: skip
     fused = {"self_attn.qkv_proj": (q + 2 * kv, hidden), "mlp.gate_up_proj": (2 * ffn, hidden)}
+    linear = _linear_layers(config, layers)
+    if linear:  # Qwen3.5: gated q (each head's q and gate), linear-attention layers
+        sizes = ((2 * q, hidden), *sizes[1:])
     for layer in range(layers):
+        if layer in linear:
+            expected.update(_linear_sizes(config, layer, hidden, positive))
+            for projection, size in zip(_PROJECTIONS[4:], sizes[4:], strict=True):
+                expected[f"model.layers.{layer}.{projection}.weight"] = size
+            continue
         for projection, size in zip(_PROJECTIONS, sizes, strict=True):
             expected[f"model.layers.{layer}.{projection}.weight"] = size
         for projection, size in fused.items():  # a checkpoint that stores them fused (Phi-3)
@@ -78,3 +86,28 @@ def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str
 
 def _shape(shape: tuple[int, ...] | None) -> str:
     return "missing" if shape is None else str(list(shape))
+
+
+def _linear_layers(config: Any, layers: int) -> set[int]:
+    """The linear-attention layers (Qwen3.5's `layer_types`, or its every-4th-full rule)."""
+    if getattr(config, "model_type", None) != "qwen3_5_text":
+        return set()
+    types = getattr(config, "layer_types", None)
+    if not types:
+        every = getattr(config, "full_attention_interval", 4)
+        return {i for i in range(layers) if (i + 1) % every}
+    if len(types) != layers:
+        raise ValueError(f"the config's layer_types has {len(types)} entries for {layers} layers")
+    return {i for i, kind in enumerate(types) if kind == "linear_attention"}
+
+
+def _linear_sizes(config: Any, layer: int, hidden: int, positive: Any) -> dict[str, tuple]:
+    """A Gated DeltaNet layer's tensors and the shapes its config needs."""
+    key_dim = positive("linear_num_key_heads") * positive("linear_key_head_dim")
+    v_heads = positive("linear_num_value_heads")
+    value_dim = v_heads * positive("linear_value_head_dim")
+    conv, kernel = 2 * key_dim + value_dim, positive("linear_conv_kernel_dim")
+    p = f"model.layers.{layer}.linear_attn."
+    return {p + "in_proj_qkv.weight": (conv, hidden), p + "in_proj_z.weight": (value_dim, hidden),
+            p + "in_proj_b.weight": (v_heads, hidden), p + "in_proj_a.weight": (v_heads, hidden),
+            p + "out_proj.weight": (hidden, value_dim), p + "conv1d.weight": (conv, 1, kernel)}  # fmt: skip

@@ -25,6 +25,7 @@ from engine.device import uses_pinned_memory
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingMetadata, to_token_logprobs
 from engine.speculative.verify import accept_drafts, rewind
+from engine.state_cache import StateMetadata, prepare_states
 from engine.structured_output import StructuredOutputManager
 from scheduler import SchedulerOutput
 
@@ -55,6 +56,8 @@ class ModelRunner:
         self.decode_stack = decode_stack
         self.structured_outputs = structured_outputs  # the grammar mask of constrained rows
         self.kv_caches = kv_caches
+        # The linear-attention layers' state slots (their entries of kv_caches).
+        self.state_caches = [kv_caches[i] for i in model.state_layers(model.config)]
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
@@ -94,6 +97,8 @@ class ModelRunner:
         # The step's host-side attention planning, once per KV cache group's backend: the
         # layers then only run tensor work.
         self.model.prepare_attention(meta)
+        if meta.states is not None:  # snapshots copied in, new requests' states cleared
+            prepare_states(self.state_caches, meta.states)
         stack = self.decode_stack
         hidden = stack.run(input_ids, meta.positions, self.kv_caches, meta) if stack else None
         if hidden is None:
@@ -138,6 +143,11 @@ class ModelRunner:
                 )  # fmt: skip
                 for g in range(len(scheduled[0].group_block_ids))
             )
+        if scheduled[0].state is not None:  # a model with linear-attention layers
+            meta.states = StateMetadata.build(
+                [s.state for s in scheduled], [s.num_computed_tokens for s in scheduled],
+                query_lens, self.device,
+            )  # fmt: skip
         host = self._host_ids[: meta.num_tokens]
         host.numpy()[:] = [t for s in out.scheduled for t in s.token_ids]
         return host.to(self.device, non_blocking=True), meta, sample_rows

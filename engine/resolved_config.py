@@ -24,6 +24,7 @@ from engine.execution_plan import ExecutionPlan, Quantization, resolve_plan
 from engine.loader import load_hf_config, resolve_model_dir, source_gguf
 from engine.models.registry import get_model_class
 from kv_cache.groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
+from kv_cache.state_group import StateGroup
 from scheduler import SchedulerConfig
 
 
@@ -36,6 +37,7 @@ class ResolvedConfig:
     max_model_len: int
     # 0 until the model is loaded: the budget is what is left beside it (`with_num_blocks`).
     num_blocks: int = 0
+    num_state_slots: int = 0  # a model with linear-attention layers: its state slots
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> ResolvedConfig:
@@ -51,8 +53,8 @@ class ResolvedConfig:
             max_model_len=config.resolve_max_model_len(context_limit(hf_config)),
         )
 
-    def with_num_blocks(self, num_blocks: int) -> ResolvedConfig:
-        return dataclasses.replace(self, num_blocks=num_blocks)
+    def with_num_blocks(self, num_blocks: int, num_state_slots: int = 0) -> ResolvedConfig:
+        return dataclasses.replace(self, num_blocks=num_blocks, num_state_slots=num_state_slots)
 
     def with_plan(self, plan: ExecutionPlan) -> ResolvedConfig:
         return dataclasses.replace(self, plan=plan)
@@ -77,7 +79,21 @@ class ResolvedConfig:
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """The layers by attention kind (kv_cache/groups.py): one group unless the model mixes
         sliding-window and full layers."""
-        return kv_cache_groups(get_model_class(self.hf_config).layer_windows(self.hf_config))
+        model = get_model_class(self.hf_config)
+        return kv_cache_groups(model.layer_windows(self.hf_config), self.state_layers)
+
+    @cached_property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a state, not a KV cache (linear attention)."""
+        return get_model_class(self.hf_config).state_layers(self.hf_config)
+
+    @property
+    def state_group(self) -> StateGroup | None:
+        """The state group of a model with linear-attention layers (once sized), or None."""
+        if not self.state_layers:
+            return None
+        return StateGroup(self.state_layers, self.num_state_slots,
+                          self.engine.state_snapshot_interval)  # fmt: skip
 
     @property
     def kv_cache_tensors(self) -> int:
@@ -87,7 +103,9 @@ class ResolvedConfig:
 
     def layer_kv_slots(self) -> list[int]:
         """Which of the cache's tensor pairs each layer reads and writes."""
-        return [slot for _, slot in layer_slots(self.kv_cache_groups, self.num_layers)]
+        return [
+            slot for _, slot in layer_slots(self.kv_cache_groups, self.num_layers)
+        ]  # -1: a state's
 
     @property
     def vocab_size(self) -> int:
@@ -108,6 +126,7 @@ class ResolvedConfig:
             scheduling_policy=c.scheduling_policy,
             age_bound_s=c.age_bound_s,
             kv_cache_groups=self.kv_cache_groups,
+            state_group=self.state_group,
         )
 
 

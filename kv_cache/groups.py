@@ -12,7 +12,7 @@ most of a Gemma 3 model's cache memory goes to its few full layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -22,14 +22,19 @@ class KVCacheGroup:
     layers: tuple[int, ...]  # the model's layer indices, in slot order
 
 
-def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
+def kv_cache_groups(
+    layer_windows: Sequence[int | None], state_layers: Collection[int] = ()
+) -> tuple[KVCacheGroup, ...]:
     """The groups of a model whose layer i attends a window of layer_windows[i] tokens
     (None: full attention): full-attention groups first, then each window's; one group
-    when every layer is of one kind."""
-    if not layer_windows:
-        raise ValueError("a model needs at least one layer")
+    when every layer is of one kind. `state_layers` keep a state, not a KV cache
+    (kv_cache/state_group.py): they are in no group."""
+    if len(layer_windows) <= len(state_layers):
+        raise ValueError("a model needs at least one attention layer")
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
+        if layer in state_layers:
+            continue
         if window is not None and window < 1:
             raise ValueError(f"layer {layer}: a sliding window must be >= 1 token, got {window}")
         kinds.setdefault(window, []).append(layer)
@@ -48,7 +53,7 @@ def group_size(groups: Sequence[KVCacheGroup]) -> int:
 
 
 def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[int, int]]:
-    """(group, tensor slot) of each layer."""
+    """(group, tensor slot) of each layer; (-1, -1) for a layer in no group (a state's)."""
     where = [(-1, -1)] * num_layers
     for g, group in enumerate(groups):
         for slot, layer in enumerate(group.layers):

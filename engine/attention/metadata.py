@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.state_cache import StateMetadata
+
 
 @dataclass
 class AttentionMetadata:
@@ -37,6 +39,8 @@ class AttentionMetadata:
     # A hybrid model's other KV cache groups (kv_cache/groups.py): the same step over each
     # group's block tables (its own slots), in group order; () for a model of one group.
     group_metas: tuple[AttentionMetadata, ...] = field(default=(), repr=False, compare=False)
+    # A model with recurrent layers: the step's state instructions (engine/state_cache.py).
+    states: StateMetadata | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -60,6 +60,12 @@ class DecoderForCausalLM(nn.Module):
         types = arch.layer_types or ("full_attention",) * arch.num_layers
         return [arch.sliding_window if t == "sliding_attention" else None for t in types]
 
+    @classmethod
+    def state_layers(cls, hf_config: Any) -> tuple[int, ...]:
+        """The layers that keep a state instead of a KV cache (linear attention)."""
+        arch = cls.architecture(hf_config)
+        return tuple(i for i in range(arch.num_layers) if arch.is_linear(i))
+
     def __init__(
         self,
         hf_config: Any,
@@ -82,7 +88,7 @@ class DecoderForCausalLM(nn.Module):
         # A backend per KV cache group (one, unless sliding-window and full layers mix): each
         # plans the step over its group's tables, with its group's window; the runner
         # prepares each once per step (`prepare_attention`).
-        groups = kv_cache_groups(self.layer_windows(hf_config))
+        groups = kv_cache_groups(self.layer_windows(hf_config), self.state_layers(hf_config))
         # Batch-invariant: every query token a row of the paged kernel (the plan chose it).
         rows = {"every_query_as_rows": True} if plan.batch_invariant else {}
         self.attn_backends = [
@@ -148,6 +154,7 @@ class DecoderForCausalLM(nn.Module):
         ops, arch = self.ops, self.arch
         tables = {kind: table.lookup(positions) for kind, table in self.rope_tables.items()}
         hidden, residual = self.embed(input_ids), None
+        # (A linear-attention layer's "KV cache" is its state slots: engine/state_cache.py.)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = tables[arch.rope_of(i)]
             hidden, residual = layer(ops, hidden, residual, cos, sin, kv_cache, meta)

@@ -26,6 +26,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.distributed import TensorParallel
 from engine.models.linear import Linear
+from engine.models.linear_attention import GatedDeltaNet, LinearAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class Architecture:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
-    # One per layer, transformers' names: "full_attention" or "sliding_attention" (then
-    # attending over the last `sliding_window` positions only).
+    # One per layer, transformers' names: "full_attention", "sliding_attention" (then
+    # attending over the last `sliding_window` positions only) or "linear_attention" (a
+    # Gated DeltaNet layer, `linear_attention`'s sizes, keeping a state not a KV cache).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     # -- options of the shared blocks; the defaults are Llama's layer --------------------
@@ -62,6 +64,13 @@ class Architecture:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # the embedding rows times this, in the model dtype
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # The attention's output times sigmoid(gate), the gate projected with q (per head, after
+    # its q rows: Qwen3.5's full-attention layers).
+    attn_output_gate: bool = False
+    linear_attention: LinearAttentionSpec | None = None  # the linear layers' sizes
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def rope_of(self, layer: int) -> str:
         return self.layer_rope[layer] if self.layer_rope else "default"
@@ -87,6 +96,8 @@ class Architecture:
             "attention scale" if self.attn_scale is not None else "",
             "embedding scale" if self.embed_scale is not None else "",
             "sliding window" if "sliding_attention" in self.layer_types else "",
+            "linear attention" if "linear_attention" in self.layer_types else "",
+            "attention output gate" if self.attn_output_gate else "",
         ]
         return ", ".join(r for r in reasons if r) or None
 
@@ -126,7 +137,9 @@ class Attention(_Block):
         sliding = arch.layer_types and arch.layer_types[index] == "sliding_attention"
         self.sliding_window = arch.sliding_window if sliding else None  # None: full attention
         self.backend = backend  # shared by all layers: the runner prepares it once per step
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.output_gate = arch.attn_output_gate
+        q_heads = self.num_heads * (2 if self.output_gate else 1)  # each head's gate after it
+        qkv_rows = (q_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, qkv_rows, arch.qkv_bias, **kw)
         self.o_proj = Linear(self.num_heads * self.head_dim, arch.hidden_size, arch.o_bias, **kw)
         self.eps = arch.eps
@@ -139,12 +152,26 @@ class Attention(_Block):
         k_cache, v_cache = kv_cache
         meta = meta.for_group(self.backend.kv_group)  # this layer's KV cache group's view
         qkv = self.qkv_proj(x)
+        gate = None
+        if self.output_gate:
+            qkv, gate = self._split_gate(qkv)
         if self.q_norm is not None:
             qkv = self._norm_qk(ops, qkv)
         q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                               self.num_heads, self.num_kv_heads)  # fmt: skip
         out = self.backend(q, k_cache, v_cache, meta, self.scale)
-        return self._reduce(self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim)))
+        out = out.reshape(x.shape[0], self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self._reduce(self.o_proj(out))
+
+    def _split_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, (2h + 2kvh) * d]`` with each q head followed by its gate -> (the fused
+        ``[T, (h + 2kvh) * d]`` row, the gate ``[T, h * d]``)."""
+        t, h, d = qkv.shape[0], self.num_heads, self.head_dim
+        q_gate = qkv[:, : 2 * h * d].view(t, h, 2 * d)
+        q, gate = q_gate[..., :d].reshape(t, h * d), q_gate[..., d:].reshape(t, h * d)
+        return torch.cat((q, qkv[:, 2 * h * d :]), dim=1), gate
 
     def _norm_qk(self, ops: Any, qkv: torch.Tensor) -> torch.Tensor:
         """The fused ``[T, (h + 2 kvh) * d]`` row with each head of q and k normed (v as it
@@ -183,13 +210,22 @@ class DecoderLayer(nn.Module):
         self.norm_names = _SANDWICH_NORMS if arch.sandwich_norms else _NORMS
         for name in self.norm_names:
             setattr(self, name, _param(arch.hidden_size, **kw))
-        self.self_attn = Attention(arch, backend, tp, index, **kw, quantization=quantization)
+        # The token mixer: attention over the KV cache, or a linear-attention layer's state.
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if arch.is_linear(index):
+            assert arch.linear_attention is not None
+            self.linear_attn = GatedDeltaNet(arch.linear_attention, arch.hidden_size, arch.eps,
+                                             **kw, quantization=quantization)  # fmt: skip
+        else:
+            self.self_attn = Attention(arch, backend, tp, index, **kw, quantization=quantization)
         self.mlp = GatedMLP(arch, tp, **kw, quantization=quantization)
 
     def linears(self) -> tuple[Linear, ...]:
         """The projections in the order the native decode stack takes them."""
         attn, mlp = self.self_attn, self.mlp
-        return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        mixer = (attn.qkv_proj, attn.o_proj) if attn is not None else self.linear_attn.linears()
+        return (*mixer, mlp.gate_up_proj, mlp.down_proj)
 
     def forward(self, ops: Any, delta: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -197,7 +233,10 @@ class DecoderLayer(nn.Module):
         """Takes and returns (the previous block's output, the residual stream before it is
         added); ``cos``/``sin``: ``[T, head_dim]``."""
         x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, self.eps)
-        delta = self.self_attn(ops, x, cos, sin, kv_cache, meta)
+        if self.linear_attn is not None:  # kv_cache: this layer's state slots
+            delta = self.linear_attn(x, kv_cache, meta.states, meta.query_start_loc_list)
+        else:
+            delta = self.self_attn(ops, x, cos, sin, kv_cache, meta)
         if self.norm_names is _SANDWICH_NORMS:  # each sub-block's output normed, then added
             norm, eps = ops.add_rms_norm, self.eps
             delta = norm(delta, None, self.post_attention_layernorm, eps)[0]

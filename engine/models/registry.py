@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3_text", "engine.models.gemma3"),
     "SmolLM3ForCausalLM": ("smollm3", "engine.models.smollm3"),
     "Phi3ForCausalLM": ("phi3", "engine.models.phi3"),
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", "engine.models.qwen3_5"),
 }
 ARCHITECTURE_BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 

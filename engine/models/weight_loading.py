@@ -36,6 +36,10 @@ _FUSED = {
 _WHOLE = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
           ("mlp", "gate_up_proj"): ("gate_proj", "up_proj")}  # fmt: skip
 _QK_NORMS = ("q_norm", "k_norm")  # per-head norms of the attention (Qwen3, Gemma 3)
+# A linear-attention layer's tensors other than its projections: transformers' name ->
+# ours (engine/models/linear_attention.py).
+_LINEAR_PARAMS = {"conv1d": "conv_weight", "dt_bias": "dt_bias", "A_log": "A_log",
+                  "norm": "norm"}  # fmt: skip
 _TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
         "lm_head.weight": "lm_head"}  # fmt: skip
 
@@ -98,6 +102,7 @@ def _rows(model: DecoderForCausalLM, part: str | None) -> tuple[int, int] | None
     """A fused projection's part as (first row, rows), or None: the whole projection."""
     a = model.arch
     q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    q *= 2 if a.attn_output_gate else 1  # each head's q rows, then its gate's
     offsets = {None: None, "q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter),
                "up": (inter, inter)}  # fmt: skip
     return offsets[part]
@@ -118,11 +123,15 @@ def _route(
     if index >= model.arch.num_layers:
         raise ValueError(f"unexpected weight name {name!r} (layer {index})")
     layer, prefix = model.layers[index], f"layers.{index}."
+    if layer.linear_attn is not None and parts[3] == "linear_attn":
+        return _route_linear(layer.linear_attn, name, parts[4:], prefix)
     if len(parts) == 5:  # model.layers.N.<norm>.weight
         if parts[3] not in layer.norm_names or parts[4] != "weight":
             raise unexpected
         return getattr(layer, parts[3]), None, [(prefix + parts[3], "")], None
     module, proj, kind = parts[3:]
+    if module == "self_attn" and layer.self_attn is None:
+        raise ValueError(f"unexpected weight name {name!r} (layer {index} is linear attention)")
     if module == "self_attn" and proj in _QK_NORMS and kind == "weight":
         norm = getattr(layer.self_attn, proj)
         if norm is None:
@@ -141,6 +150,28 @@ def _route(
     key = prefix + ours + ("" if kind == "weight" else ".bias")
     keys = [(key, p) for p in whole] if whole else [(key, proj if rows else "")]
     return target, rows, keys, linear if kind == "weight" else None
+
+
+def _route_linear(
+    mixer: Any, name: str, parts: list[str], prefix: str
+) -> tuple[torch.Tensor, tuple[int, int] | None, list[tuple[str, str]], Linear | None]:
+    """`_route` for a linear-attention layer's tensor (``parts``: after ``linear_attn``)."""
+    key = prefix + "linear_attn."
+    if len(parts) == 1 and parts[0] in _LINEAR_PARAMS:  # dt_bias, A_log
+        ours = _LINEAR_PARAMS[parts[0]]
+        return getattr(mixer, ours), None, [(key + ours, "")], None
+    if len(parts) != 2 or parts[1] != "weight":
+        raise ValueError(f"unexpected weight name {name!r}")
+    proj = parts[0]
+    if proj in _LINEAR_PARAMS:  # conv1d, norm
+        ours = _LINEAR_PARAMS[proj]
+        return getattr(mixer, ours), None, [(key + ours, "")], None
+    if proj == "out_proj":
+        return mixer.out_proj.weight, None, [(key + "out_proj", "")], mixer.out_proj
+    rows = mixer.spec.rows().get(proj)
+    if rows is None:
+        raise ValueError(f"unexpected weight name {name!r}")
+    return mixer.in_proj.weight, rows, [(key + "in_proj", proj)], mixer.in_proj
 
 
 def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -170,6 +201,11 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         shards |= {(p + n, "") for n in layer.norm_names}
+        if layer.linear_attn is not None:
+            shards |= _linear_shards(layer.linear_attn, p + "linear_attn.")
+            shards |= {(p + "gate_up_proj", "gate_proj"), (p + "gate_up_proj", "up_proj"),
+                       (p + "down_proj", "")}  # fmt: skip
+            continue
         if layer.self_attn.q_norm is not None:
             shards |= {(p + n, "") for n in _QK_NORMS}
         for (module, proj), (ours, part) in _FUSED.items():
@@ -179,3 +215,10 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
             if linear.bias is not None:
                 shards.add((p + ours + ".bias", key))
     return shards
+
+
+def _linear_shards(mixer: Any, key: str) -> set[tuple[str, str]]:
+    """Every (parameter, part) of a linear-attention layer a checkpoint fills."""
+    shards = {(key + ours, "") for ours in _LINEAR_PARAMS.values()}
+    shards |= {(key + "in_proj", proj) for proj in mixer.spec.rows()}
+    return shards | {(key + "out_proj", "")}

@@ -64,10 +64,15 @@ ARCH_DEFAULTS = {
                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                  "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
                                  "original_max_position_embeddings": 128}},
+    # Qwen3.5 (issue 65): three Gated DeltaNet layers and a gated full-attention one
+    "qwen3_5_text": {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                     "tie_word_embeddings": False},
 }  # fmt: skip
 # Families whose norms are random too (transformers initialises them to the identity, which
 # would leave a wrong norm unseen).
-RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3")
+RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3", "qwen3_5_text")
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,82 @@
+"""Qwen3.5 (Gated DeltaNet layers beside gated full attention) token for token with
+transformers (float32 greedy): batched, prefilled in chunks of any size with snapshots
+inside them, resumed from a prefix-cache snapshot, through preemption; and every state slot
+and block back at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.test_engine_golden import engine_greedy, hf_greedy, random_prompts
+from tests.engine.tiny_models import make_tiny_model_dir
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5"), arch="qwen3_5_text", seed=3)
+    # A shared prefix of 30 tokens (7 blocks of 4 and 2 tokens), then 3 to 40 of their own.
+    prompts = random_prompts(seed=5, n=4, vocab=1000, shared_prefix=30)
+    return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def assert_all_free(llm: LLM) -> None:
+    kv = llm.engine.core.kv_cache_manager
+    kv.check_invariants()
+    assert kv.num_free_blocks == llm.engine.core.num_blocks
+    assert kv.state.num_slots_in_use == 0
+
+
+def test_batch_and_a_repeat_resumed_from_snapshots_match_transformers(qwen3_5):
+    path, prompts, expected = qwen3_5
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+              state_slots=32, state_snapshot_interval=2)  # fmt: skip
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    # Again: each prompt's state resumes from the snapshot at its last block boundary.
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.num_cached_tokens == (len(prompt) - 1) // 4 * 4
+    assert_all_free(llm)
+
+
+def test_a_new_prompt_resumes_from_the_last_snapshot_of_a_shared_prefix(qwen3_5):
+    path, prompts, expected = qwen3_5
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+              state_slots=32, state_snapshot_interval=2)  # fmt: skip
+    assert engine_greedy(llm, prompts[:1], NEW_TOKENS) == expected[:1]
+    outs = llm.generate(prompts[1:], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                        use_tqdm=False)  # fmt: skip
+    assert [o.token_ids for o in outs] == expected[1:]
+    # The 30 shared tokens: the snapshot every 2 blocks, at 24 tokens, is inside them.
+    assert all(o.num_cached_tokens == 24 for o in outs)
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("chunk", [5, 13])
+def test_chunked_prefill_with_snapshots_inside_chunks_matches_transformers(qwen3_5, chunk):
+    path, prompts, expected = qwen3_5
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+              max_num_batched_tokens=chunk, state_slots=32, state_snapshot_interval=1)  # fmt: skip
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert_all_free(llm)
+
+
+def test_preemption_and_few_state_slots_match_transformers(qwen3_5):
+    path, prompts, expected = qwen3_5
+    # 3 slots: no more than 3 requests run at once, snapshots take what is left; 40 blocks
+    # of 4 tokens cannot hold every request's 40-86 tokens at once: preemption.
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40, state_slots=3,
+              max_num_batched_tokens=16)  # fmt: skip
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_all_free(llm)
+
+
+def test_speculative_decoding_is_refused_in_one_line(qwen3_5):
+    path, _, _ = qwen3_5
+    with pytest.raises(ValueError, match="speculative decoding does not serve linear-attention"):
+        LLM(model=str(path), dtype="float32", num_blocks=64, speculative="ngram")
