@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from engine.gguf_file import GGUFFile
 from engine.gguf_tokenizer import end_of_generation_ids, gguf_tokenizer, tokenizer_config
 from engine.gguf_weights import gguf_arch, hf_name, read_tensors
 from engine.model_check import check_config
-from engine.model_config import ModelConfig, read_model_config
+from engine.model_config import ModelConfig, read_model_config, text_weight_name
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
 
 logger = logging.getLogger(__name__)
@@ -306,11 +306,19 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     if gguf is not None:
         return gguf_shapes(GGUFFile(gguf))
     shapes: dict[str, tuple[int, ...]] = {}
+    wrapped = _is_multimodal(path)
     for file in safetensors_files(path):
         with _as_model_file_error(file, "its header"), safe_open(str(file), "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+                ours = text_weight_name(name, wrapped)
+                if ours is not None:
+                    shapes[ours] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+def _is_multimodal(path: str | os.PathLike) -> bool:
+    """A multimodal checkpoint served as its text model (engine/model_config.py)."""
+    return hasattr(read_model_config(path), "text_model_of")
 
 
 def model_architecture(config) -> str:
@@ -373,8 +381,9 @@ def iter_weights(
     files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    wrapped = _is_multimodal(path)
     for file in files:
-        for name, tensor in _safetensors(file):
+        for name, tensor in _safetensors(file, lambda name: text_weight_name(name, wrapped)):
             yield name, tensor if dtype is None else tensor.to(dtype)
 
 
@@ -384,13 +393,17 @@ def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, shape in names if name is not None}
 
 
-def _safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """A safetensors file's tensors; the safetensors library checks its header and every
-    tensor's extent against the file (a truncated or overlapping one is refused), and its
-    refusal is one line naming the file."""
+def _safetensors(
+    file: Path, rename: Callable[[str], str | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors file's tensors, under `rename`'s names (None: not read); the
+    safetensors library checks its header and every tensor's extent against the file (a
+    truncated or overlapping one is refused), and its refusal is one line naming the file."""
     with _as_model_file_error(file, "its tensors"), safe_open(str(file), "pt", "cpu") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            yield name, f.get_tensor(name)  # the caller's faults are not raised in here
+            ours = rename(name)
+            if ours is not None:
+                yield ours, f.get_tensor(name)  # the caller's faults are not raised in here
 
 
 def load_generation_eos(path: str | os.PathLike, tokenizer=None) -> frozenset[int]:

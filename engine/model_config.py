@@ -56,6 +56,13 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "no_rope_layers": (list, *_NONE),
     "no_rope_layer_interval": _INT,
     "original_max_position_embeddings": _INT,
+    # Qwen3.5's linear-attention (Gated DeltaNet) layers
+    "full_attention_interval": _INT,
+    "linear_conv_kernel_dim": _INT,
+    "linear_key_head_dim": _INT,
+    "linear_value_head_dim": _INT,
+    "linear_num_key_heads": _INT,
+    "linear_num_value_heads": _INT,
 }
 
 _SHARED = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -97,13 +104,29 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {**_SHARED, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
              "num_key_value_heads": None, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
              "sliding_window": None, "original_max_position_embeddings": 4096},
+    "qwen3_5_text": {**_SHARED, "vocab_size": 248320, "intermediate_size": 12288,
+                     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                     "max_position_embeddings": 32768, "attention_bias": False,
+                     "layer_types": None, "linear_conv_kernel_dim": 4,
+                     "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 32},
 }  # fmt: skip
+# Multimodal checkpoints served as their text model: model_type -> the text model's
+# architecture (its config is the file's `text_config`, its weights those under
+# `model.language_model.`; `text_weight_name`).
+TEXT_MODELS = {"qwen3_5": "Qwen3_5ForCausalLM"}
+_TEXT_PREFIX = "model.language_model."
 
 # The rope base a config that names none gets: transformers' class attribute `default_theta`
 # where a class sets its own (Gemma 3: one for full layers, one for sliding ones).
 DEFAULT_ROPE_THETA: dict[str, Any] = {
     "smollm3": 2_000_000.0, "gemma3_text": {"global": 1_000_000.0, "local": 10_000.0},
 }  # fmt: skip
+
+
+# The rotating share of each head a config that names none gets, where transformers' class
+# sets its own (Qwen3.5's, in its rope parameters).
+DEFAULT_PARTIAL_ROTARY: dict[str, float] = {"qwen3_5_text": 0.25}
 
 
 def default_rope_theta(config: Any) -> Any:
@@ -143,8 +166,32 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         if types and (not isinstance(value, types) or wrong_bool):
             raise ModelFileError(f"{model_dir}: cannot read its config.json ({name} is "
                                  f"{value!r}, not {' or '.join(_type_names(types))})")  # fmt: skip
+    data = _text_model(data)
     defaults = DEFAULTS.get(data.get("model_type"), {})
     return ModelConfig(**{**defaults, **data, "_name_or_path": str(model_dir)})
+
+
+def _text_model(data: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config as its text model's (`TEXT_MODELS`); any other as
+    it is."""
+    architecture = TEXT_MODELS.get(data.get("model_type"))
+    text = data.get("text_config")
+    if architecture is None or not isinstance(text, dict):
+        return data
+    tie = text.get("tie_word_embeddings", data.get("tie_word_embeddings", False))
+    return {**text, "architectures": [architecture], "tie_word_embeddings": tie,
+            "text_model_of": data.get("model_type")}  # fmt: skip
+
+
+def text_weight_name(name: str, wrapped: bool) -> str | None:
+    """A checkpoint tensor's name as the model loads it: a multimodal checkpoint's text
+    model's (``wrapped``) under transformers' text names, None for the rest of it (the
+    vision tower, the multi-token prediction layers)."""
+    if not wrapped:
+        return name
+    if name.startswith(_TEXT_PREFIX):
+        return "model." + name[len(_TEXT_PREFIX) :]
+    return name if name == "lm_head.weight" else None
 
 
 def as_transformers_config(config: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_config import as_transformers_config, default_rope_theta
+from engine.model_config import DEFAULT_PARTIAL_ROTARY, as_transformers_config, default_rope_theta
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -62,7 +62,8 @@ def _layer_type_parameters(config: Any, layer_type: str) -> dict[str, Any]:
 def rotary_dim(config: Any, head_dim: int, layer_type: str | None = None) -> int:
     """The dims of each head that rotate (``partial_rotary_factor`` of them)."""
     params = rope_parameters(config, layer_type)
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    default = DEFAULT_PARTIAL_ROTARY.get(getattr(config, "model_type", None), 1.0)
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", default))
     return int(head_dim * factor)
 
 

@@ -20,6 +20,7 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     SmolLM3Config,
 )
@@ -42,7 +43,9 @@ from tests.engine.tiny_models import default_model_dir, make_tiny_model_dir
 
 CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config,
-           "phi3": Phi3Config}  # fmt: skip
+           "phi3": Phi3Config, "qwen3_5_text": Qwen3_5TextConfig}  # fmt: skip
+# Qwen3.5's every fourth layer is full attention: four layers, or none would be.
+MINIMAL = {"qwen3_5_text": {"num_hidden_layers": 4}}
 # 32 heads: the key/value head counts the classes default to (32, 8) divide it.
 SIZES = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 112,
          "num_hidden_layers": 2, "num_attention_heads": 32}  # fmt: skip
@@ -79,7 +82,7 @@ def _variants(tmp_path: Path) -> dict[str, Path]:
         config.save_pretrained(folder)
         variants[name] = folder
     for model_type in CLASSES:
-        minimal = {"model_type": model_type, **SIZES}
+        minimal = {"model_type": model_type, **SIZES, **MINIMAL.get(model_type, {})}
         variants[f"{model_type}-minimal"] = _written(tmp_path, f"{model_type}-min", minimal)
     legacy = {"model_type": "llama", **SIZES, "rope_theta": 50000.0,
               "rope_scaling": {"type": "linear", "factor": 4.0}}  # fmt: skip

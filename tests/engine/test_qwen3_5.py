@@ -5,7 +5,12 @@ and block back at the end."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from tests.engine.test_engine_golden import engine_greedy, hf_greedy, random_prompts
@@ -80,3 +85,26 @@ def test_speculative_decoding_is_refused_in_one_line(qwen3_5):
     path, _, _ = qwen3_5
     with pytest.raises(ValueError, match="speculative decoding does not serve linear-attention"):
         LLM(model=str(path), dtype="float32", num_blocks=64, speculative="ngram")
+
+
+def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path):
+    """Qwen3.5's releases are Qwen3_5ForConditionalGeneration: the text model's config under
+    text_config, its weights under model.language_model., a vision tower and multi-token
+    prediction weights beside them (neither read)."""
+    path, prompts, expected = qwen3_5
+    wrapped = tmp_path / "wrapped"
+    shutil.copytree(path, wrapped)
+    config = json.loads((path / "config.json").read_text())
+    (wrapped / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": config, "tie_word_embeddings": False,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1},
+    }))  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    renamed = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}  # fmt: skip
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(renamed, wrapped / "model.safetensors")
+    llm = LLM(model=str(wrapped), dtype="float32", block_size=4, num_blocks=256)
+    assert engine_greedy(llm, prompts[:2], NEW_TOKENS) == expected[:2]
