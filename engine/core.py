@@ -120,9 +120,6 @@ class EngineCore:
         )
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         drafter = DRAFTERS.get(engine.speculative)
-        if drafter is not None and config.state_layers:
-            raise ValueError("speculative decoding does not serve linear-attention layers yet "
-                             "(their state cannot be rolled back past rejected drafts)")  # fmt: skip
         self.speculator = (
             Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, drafter(), self._encode_text)
             if drafter is not None

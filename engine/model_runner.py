@@ -146,7 +146,7 @@ class ModelRunner:
         if scheduled[0].state is not None:  # a model with linear-attention layers
             meta.states = StateMetadata.build(
                 [s.state for s in scheduled], [s.num_computed_tokens for s in scheduled],
-                query_lens, self.device,
+                [len(s.token_ids) for s in scheduled], self.device,
             )  # fmt: skip
         host = self._host_ids[: meta.num_tokens]
         host.numpy()[:] = [t for s in out.scheduled for t in s.token_ids]

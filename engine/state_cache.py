@@ -61,8 +61,9 @@ def allocate_state_cache(
 
 @dataclass
 class StateMetadata:
-    """A step's state instructions, per request in the step's order (one row each: a
-    recurrent model runs no speculative verify rows)."""
+    """A step's state instructions, per request in the step's order. A request verifying
+    k drafts is one request of 1 + k tokens here (a prefill of them, writing the states
+    its drafts may roll back to), though attention runs it as 1 + k rows."""
 
     slots: list[int]  # each request's live slot
     # Before the step: (slot, source) copies, and slots to clear.
@@ -73,6 +74,7 @@ class StateMetadata:
     decode_rows: torch.Tensor  # [D] int64: the flat rows of the one-token requests
     decode_slots: torch.Tensor  # [D] int64: their live slots
     prefills: list[int]  # the requests of more than one token, by index
+    query_start: list[int]  # [B + 1]: each request's first row (a verify's 1 + k together)
 
     @classmethod
     def build(
@@ -101,6 +103,7 @@ class StateMetadata:
             decode_rows=torch.tensor([starts[r] for r in decodes], dtype=torch.long, device=device),
             decode_slots=torch.tensor([slots[r] for r in decodes], dtype=torch.long, device=device),
             prefills=[r for r, q in enumerate(query_lens) if q > 1],
+            query_start=starts,
         )
 
 

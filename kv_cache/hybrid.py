@@ -149,7 +149,7 @@ class HybridKVCacheManager:
             group.free(req)
 
     def trim(self, req: RequestLike) -> int:
-        return sum(group.trim(req) for group in self.groups)
+        return sum(group.trim(req) for group in self.members)
 
     def uncache_unwritten(self, request_id: str, num_written_tokens: int) -> None:
         for group in self.members:

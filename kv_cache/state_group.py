@@ -68,7 +68,7 @@ ZERO = -1
 
 
 class _RequestSlots:
-    __slots__ = ("live", "source", "pending", "hashes", "extra", "num_saved_to")
+    __slots__ = ("live", "source", "pending", "rollback", "hashes", "extra", "num_saved_to")
 
     def __init__(self, extra: object) -> None:
         self.live: KVCacheBlock | None = None
@@ -76,6 +76,9 @@ class _RequestSlots:
         # The slots held until the request's next step: a hit's snapshot to copy in (end
         # None) and the snapshots the step writes (each with the tokens it ends at).
         self.pending: list[tuple[KVCacheBlock, int | None]] = []
+        # A speculative step's states after its last known token and after each draft but
+        # the last, (tokens, slot): `trim` keeps the one the accepted drafts end at.
+        self.rollback: list[tuple[int, KVCacheBlock]] = []
         self.hashes: list[BlockHash] = []  # the sequence's block hashes, under STATE_GROUP_KEY
         self.extra = extra
         self.num_saved_to = 0  # tokens up to which snapshots were planned
@@ -171,7 +174,13 @@ class StateCacheManager:
         needed = 0 if state is not None and state.live is not None else 1
         if hits and hits[-1] is not None and hits[-1].ref_cnt == 0:
             needed += 1
-        return needed
+        start = req.num_computed_tokens + len(hits) * self.block_size
+        return needed + self._num_drafts(req, start, num_new_tokens)
+
+    @staticmethod
+    def _num_drafts(req: RequestLike, start: int, num_new_tokens: int) -> int:
+        """The draft tokens (past all_token_ids) a speculative step computes."""
+        return max(start + num_new_tokens - len(req.all_token_ids), 0)
 
     def take_hits(self, req: RequestLike, hits: list[KVCacheBlock | None]) -> None:
         """Hold a hit's snapshot until the step that copies it has run."""
@@ -210,6 +219,14 @@ class StateCacheManager:
                 new.append(slot)
                 saves.append((end, slot.block_id))
             state.num_saved_to = ends[-1]
+        drafts = self._num_drafts(req, start, num_new_tokens)
+        if drafts:  # rejected drafts roll back to one of these (`trim`)
+            for end in range(start + 1, start + 1 + drafts):
+                (slot,) = self.pool.get_new_blocks(1)
+                state.rollback.append((end, slot))
+                new.append(slot)
+                saves.append((end, slot.block_id))
+            saves.sort()
         self._steps[req.request_id] = StateStep(state.live.block_id, state.source, tuple(saves))
         state.source = None
         return new
@@ -242,16 +259,25 @@ class StateCacheManager:
         """The request's last step has run: the snapshots it wrote are cached (found by
         lookups from now on, not before they hold their state), and they and the hit it
         copied from go to the free queue."""
+        self._drop_rollback(state)
         if not state.pending:
             return
         bs = self.block_size
-        for slot, end in state.pending:
+        # The slot the coming step copies from stays held until the step after it.
+        going = [(slot, end) for slot, end in state.pending if slot.block_id != state.source]
+        for slot, end in going:
             if end is not None:  # (a snapshot another request cached first stays a copy)
                 index = end // bs - 1
                 self.pool.cache_full_blocks([slot.block_id] * (index + 1), state.hashes,
                                             index, index + 1)  # fmt: skip
-        self.pool.free_blocks([slot for slot, _ in state.pending])
-        state.pending = []
+        self.pool.free_blocks([slot for slot, _ in going])
+        state.pending = [entry for entry in state.pending if entry not in going]
+
+    def _drop_rollback(self, state: _RequestSlots, keep: KVCacheBlock | None = None) -> None:
+        """Give back a speculative step's rollback slots but `keep` (never cached: to the
+        free queue's head, the next to be taken)."""
+        self.pool.free_unwritten([slot for _, slot in state.rollback if slot is not keep])
+        state.rollback = []
 
     def take_step(self, request_id: str) -> StateStep | None:
         """The request's `StateStep` from its last allocation (the scheduler hands it to
@@ -282,10 +308,23 @@ class StateCacheManager:
             (kept if written else unwritten).append((slot, end))
         state.pending = kept
         self.pool.free_blocks([slot for slot, _ in unwritten])
+        self._drop_rollback(state)
         state.num_saved_to = min(state.num_saved_to, num_written_tokens)
 
     def trim(self, req: RequestLike) -> int:
-        return 0  # a state has no tail to give back
+        """After a speculative step: the request's state is the one after its accepted
+        drafts (req.num_computed_tokens): the live slot when every draft was kept, else
+        the rollback slot that holds it, copied in before the next step. Returns 0 (no
+        KV block is freed here)."""
+        state = self._requests.get(req.request_id)
+        if state is None or not state.rollback:
+            return 0
+        kept = next((slot for end, slot in state.rollback if end == req.num_computed_tokens), None)
+        self._drop_rollback(state, kept)
+        if kept is not None:
+            state.pending.append((kept, None))  # held until the next step has copied it
+            state.source = kept.block_id
+        return 0
 
     def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
         return 0  # its slots are not KV blocks: `_check_fits` counts blocks only
@@ -297,7 +336,7 @@ class StateCacheManager:
         self.pool.check_invariants()
         holders = [0] * self.pool.num_blocks
         for state in self._requests.values():
-            held = [slot for slot, _ in state.pending]
+            held = [slot for slot, _ in state.pending] + [slot for _, slot in state.rollback]
             for slot in ([state.live] if state.live is not None else []) + held:
                 holders[slot.block_id] += 1
         for block, n in zip(self.pool.blocks, holders, strict=True):

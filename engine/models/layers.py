@@ -234,7 +234,7 @@ class DecoderLayer(nn.Module):
         added); ``cos``/``sin``: ``[T, head_dim]``."""
         x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm, self.eps)
         if self.linear_attn is not None:  # kv_cache: this layer's state slots
-            delta = self.linear_attn(x, kv_cache, meta.states, meta.query_start_loc_list)
+            delta = self.linear_attn(x, kv_cache, meta.states)
         else:
             delta = self.self_attn(ops, x, cos, sin, kv_cache, meta)
         if self.norm_names is _SANDWICH_NORMS:  # each sub-block's output normed, then added

@@ -77,9 +77,8 @@ class GatedDeltaNet(nn.Module):
     def linears(self) -> tuple[Linear, ...]:
         return (self.in_proj, self.out_proj)
 
-    def forward(self, x: torch.Tensor, states: StateTensors, meta: StateMetadata,
-                query_start: list[int]) -> torch.Tensor:  # fmt: skip
-        """``x [T, H]`` -> ``[T, H]``; the step's requests start at rows ``query_start``."""
+    def forward(self, x: torch.Tensor, states: StateTensors, meta: StateMetadata) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
         spec = self.spec
         proj = self.in_proj(x)
         c, v, h = spec.conv_dim, spec.value_dim, spec.num_v_heads
@@ -91,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         conv, rec = states
         weight = self.conv_weight[:, 0]
         for r in meta.prefills:
-            s, e = query_start[r], query_start[r + 1]
+            s, e = meta.query_start[r], meta.query_start[r + 1]
             slot = meta.slots[r]
             saves = [(t, conv[d], rec[d]) for t, d in meta.saves[r]]
             core[s:e] = gdn_prefill(mixed[s:e], g[s:e], beta[s:e], weight, conv[slot],

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from tests.engine.test_engine_golden import engine_greedy, hf_greedy, random_prompts
+from tests.engine.test_speculative import OracleDrafter, spec_counts
 from tests.engine.tiny_models import make_tiny_model_dir
 
 NEW_TOKENS = 16
@@ -81,10 +82,19 @@ def test_preemption_and_few_state_slots_match_transformers(qwen3_5):
     assert_all_free(llm)
 
 
-def test_speculative_decoding_is_refused_in_one_line(qwen3_5):
-    path, _, _ = qwen3_5
-    with pytest.raises(ValueError, match="speculative decoding does not serve linear-attention"):
-        LLM(model=str(path), dtype="float32", num_blocks=64, speculative="ngram")
+def test_speculation_rolls_the_state_back_past_rejected_drafts(qwen3_5):
+    """Drafts from the true output, often corrupted: every outcome (all kept, some, none)
+    happens, and a rejected draft's state change is undone (the next step resumes from
+    the state after the last kept token)."""
+    path, prompts, expected = qwen3_5
+    on = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256, state_slots=32,
+             speculative="ngram", num_speculative_tokens=4)  # fmt: skip
+    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    on.engine.core.speculator.drafter = OracleDrafter(truth)
+    assert engine_greedy(on, prompts, NEW_TOKENS) == expected
+    drafted, kept = spec_counts(on)
+    assert kept >= 10 and drafted > kept  # drafts kept, and some rejected
+    assert_all_free(on)
 
 
 def test_a_multimodal_checkpoint_serves_its_text_model(qwen3_5, tmp_path):

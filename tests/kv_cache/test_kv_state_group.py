@@ -197,3 +197,33 @@ def test_the_scheduler_hands_each_step_its_state_instructions():
     second = sched.schedule().scheduled[0]  # the last 4 tokens; none before 19 is new
     assert second.state.slot == first.state.slot and second.state.source is None
     assert second.state.saves == ()
+
+
+def test_a_speculative_step_keeps_the_state_its_accepted_drafts_end_at():
+    mgr = manager(num_slots=8, interval=100)
+    req = Req("a", list(range(10)))
+    admit(mgr, req)
+    req.all_token_ids.append(50)  # sampled; 10 tokens computed, and now 3 drafts after it
+    assert mgr.allocate_slots(req, 4) is not None
+    step = mgr.take_state_step("a")
+    rollback = dict(step.saves)
+    assert sorted(rollback) == [11, 12, 13]  # after the known token, after drafts 1 and 2
+    # One draft kept, one token of its own: 12 tokens have their state.
+    req.all_token_ids += [51, 52]
+    req.num_computed_tokens = 12
+    mgr.trim(req)
+    assert mgr.state.num_slots_in_use == 2  # the live slot and the state after 12 tokens
+    next_step = decode(mgr, req, 53)
+    assert next_step.source == rollback[12]
+    decode(mgr, req, 54)
+    assert mgr.state.num_slots_in_use == 1
+    # Every draft kept: the live slot is right as it is.
+    req.all_token_ids.append(55)
+    assert mgr.allocate_slots(req, 3) is not None
+    mgr.take_state_step("a")
+    req.all_token_ids += [56, 57]
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    mgr.trim(req)
+    assert decode(mgr, req, 58).source is None
+    assert mgr.state.num_slots_in_use == 1
+    mgr.check_invariants()
