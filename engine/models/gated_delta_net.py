@@ -11,7 +11,9 @@ return the core output before the gated RMSNorm, exactly as transformers'
 
 * `gdn_prefill`: one request's tokens, the chunk-parallel form, continuing from its slot's
   states and writing them back; ``saves`` also snapshots the states after given prefixes.
-* `gdn_decode`: one token for each of B requests, one recurrent step each, in their slots.
+* `gdn_decode`: one token for each of B requests, one recurrent step each, in their slots:
+  the native kernel (`engine.kernels`, csrc/gated_delta_net.cpp, one call for the whole
+  step) where `decode_kernels` finds one, else the same step in torch's ops (`decode_torch`).
 
 The recurrence, per value head (its key head serving ``Hv // Hk`` consecutive value heads),
 with q and k l2-normalised, q scaled by ``Dk ** -0.5``::
@@ -23,9 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import bf16_cpu_kernels
 
 CHUNK = 64  # the chunked form's longest chunk, as transformers' torch_chunk_gated_delta_rule
 L2NORM_EPS = 1e-6
@@ -189,7 +194,34 @@ def gdn_decode(
     """One token for each of B requests: ``mixed_qkv [B, C]``, ``g``, ``beta [B, Hv]``; one
     recurrent step each on the pools ``conv_states [S, C, K-1]`` and ``states [S, Hv, Dk,
     Dv]`` at ``slots [B]`` (distinct), in place. Returns ``[B, Hv, Dv]`` in mixed_qkv's dtype."""
+    kernels = decode_kernels(mixed_qkv, conv_weight, conv_states, states, dims)
+    if kernels is not None:
+        return kernels.gated_delta_decode(
+            mixed_qkv, g.float().contiguous(), beta.float().contiguous(), conv_weight,
+            conv_states, states, slots.long().contiguous(), dims.num_k_heads,
+        )  # fmt: skip
     return decode_torch(mixed_qkv, g, beta, conv_weight, conv_states, states, slots, dims)
+
+
+def decode_kernels(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    dims: GDNDims,
+) -> ModuleType | None:
+    """The native module whose ``gated_delta_decode`` serves this step, or None (torch's
+    ops). As for the layer ops (`engine.kernels.layer_kernels`): bf16 on a CPU with the
+    AVX512-BF16 build; float32 stays torch's ops, the reference path (the kernel computes
+    float32 too, and is tested equal to the ops, for a float32 GGUF's layers to use)."""
+    fits = (
+        conv_weight.dtype == conv_states.dtype == mixed_qkv.dtype
+        and states.dtype == torch.float32
+        and dims.head_k_dim % 8 == 0
+        and dims.head_v_dim % 8 == 0
+        and all(t.is_contiguous() for t in (mixed_qkv, conv_weight, conv_states, states))
+    )
+    return bf16_cpu_kernels(mixed_qkv.dtype, mixed_qkv.device) if fits else None
 
 
 def decode_torch(
@@ -209,8 +241,10 @@ def decode_torch(
     conv = (window.float() * conv_weight.float()).sum(dim=-1)  # a window of exactly K
     q, k, v = _qkv(F.silu(conv).to(mixed_qkv.dtype), dims)
 
-    s = states[slots] * g.float().exp()[..., None, None]  # [B, Hv, Dk, Dv]
-    delta = (v - (s * k.unsqueeze(-1)).sum(dim=-2)) * beta.float().unsqueeze(-1)
-    s += k.unsqueeze(-1) * delta.unsqueeze(-2)
+    s = states[slots]  # [B, Hv, Dk, Dv], a copy
+    s.mul_(g.float().exp()[..., None, None])
+    delta = (v - (k.unsqueeze(-2) @ s).squeeze(-2)) * beta.float().unsqueeze(-1)
+    flat = s.view(-1, dims.head_k_dim, dims.head_v_dim)
+    flat.baddbmm_(k.reshape(-1, dims.head_k_dim, 1), delta.reshape(-1, 1, dims.head_v_dim))
     states.index_copy_(0, slots, s)
-    return (s * q.unsqueeze(-1)).sum(dim=-2).to(mixed_qkv.dtype)
+    return (q.unsqueeze(-2) @ s).squeeze(-2).to(mixed_qkv.dtype)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from engine.models.gated_delta_net import GDNDims, gdn_decode, gdn_prefill
+from engine.kernels import cpu_kernels, ggml_kernels
+from engine.models import gated_delta_net
+from engine.models.gated_delta_net import GDNDims, decode_torch, gdn_decode, gdn_prefill
 
 DIMS = GDNDims(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
 ATOL = 1e-5
-
-pytestmark = pytest.mark.device
 
 
 def inputs(t: int, seed: int, device, dims: GDNDims = DIMS) -> dict[str, torch.Tensor]:
@@ -80,6 +80,7 @@ def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
     torch.testing.assert_close(a, b, atol=atol, rtol=1e-5)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("t", [1, 5, 64, 65, 130])
 def test_prefill_matches_transformers(t: int, device) -> None:
     x, weight = inputs(t, seed=t, device=device), weights(1, device)
@@ -92,6 +93,7 @@ def test_prefill_matches_transformers(t: int, device) -> None:
     close(state, expected[2])
 
 
+@pytest.mark.device
 def test_fresh_prefill_matches_transformers_without_cache(device) -> None:
     """A zeroed slot is transformers' first prefill: zero left padding, no initial state."""
     x, weight = inputs(70, seed=3, device=device), weights(4, device)
@@ -108,6 +110,7 @@ def test_fresh_prefill_matches_transformers_without_cache(device) -> None:
     close(conv, x["mixed_qkv"][-3:].t())
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("piece", [1, 3, 17, 64])
 def test_prefill_in_pieces_equals_one_prefill(piece: int, device) -> None:
     t = 130
@@ -125,6 +128,7 @@ def test_prefill_in_pieces_equals_one_prefill(piece: int, device) -> None:
     close(state_p, state)
 
 
+@pytest.mark.device
 def test_saves_hold_the_state_of_each_prefix(device) -> None:
     t, points = 130, [1, 16, 64, 65, 100, 130]
     x, weight = inputs(t, seed=8, device=device), weights(9, device)
@@ -145,6 +149,7 @@ def test_saves_hold_the_state_of_each_prefix(device) -> None:
     close(state, state_dst[-1])
 
 
+@pytest.mark.device
 def test_save_outside_the_tokens_is_refused(device) -> None:
     x, weight = inputs(4, seed=1, device=device), weights(1, device)
     conv, state = (s[0] for s in initial_states(1, device))
@@ -153,6 +158,7 @@ def test_save_outside_the_tokens_is_refused(device) -> None:
                     saves=[(5, conv.clone(), state.clone())])  # fmt: skip
 
 
+@pytest.mark.device
 def test_decode_steps_scattered_slots_and_leaves_the_others(device) -> None:
     slots = [4, 0, 2]
     x, weight = inputs(len(slots), seed=12, device=device), weights(13, device)
@@ -173,6 +179,7 @@ def test_decode_steps_scattered_slots_and_leaves_the_others(device) -> None:
         assert torch.equal(states[slot], states_before[slot])
 
 
+@pytest.mark.device
 def test_prefill_then_decode_matches_transformers(device) -> None:
     t, steps = 37, 3
     x, weight = inputs(t + steps, seed=15, device=device), weights(16, device)
@@ -193,6 +200,7 @@ def test_prefill_then_decode_matches_transformers(device) -> None:
     close(states[1], state)
 
 
+@pytest.mark.device
 def test_bf16_inputs_keep_a_float32_state(device) -> None:
     """bf16 activations, conv weight and conv state; the state stays float32 and the results
     stay near float32's on the same (bf16) values."""
@@ -220,3 +228,57 @@ def test_bf16_inputs_keep_a_float32_state(device) -> None:
     close(step.float(), step32, atol=3e-2)
     close(states, states32, atol=3e-2)
     assert torch.equal(states[0], states32[0])
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The native module with the float32 layer ops (AVX-512 here, or the AVX2 build under
+    $PAGEDSERVE_CPU_KERNELS=avx2): gated_delta_decode is in both builds."""
+    module = ggml_kernels()
+    if module is None:
+        pytest.skip("no native CPU kernels here (no AVX2/FMA/F16C, or no compiler)")
+    return module
+
+
+# Dv 24: 8-column tiles only; Dv 72: a 64-column tile then an 8-column one.
+@pytest.mark.parametrize("dims", [DIMS, GDNDims(1, 2, 32, 72, 3)], ids=["dv24", "dv72"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_torch_ops(kernels, dims: GDNDims, dtype: torch.dtype) -> None:
+    slots = torch.tensor([5, 1, 3])
+    x, weight = inputs(len(slots), seed=20, device="cpu", dims=dims), weights(21, "cpu", dims)
+    x["mixed_qkv"], weight = x["mixed_qkv"].to(dtype), weight.to(dtype)
+    conv_states, states = initial_states(22, "cpu", dims, slots=6)
+    conv_states = conv_states.to(dtype)
+    pools = conv_states.clone(), states.clone()
+    expected = decode_torch(**x, conv_weight=weight, conv_states=pools[0], states=pools[1],
+                            slots=slots, dims=dims)  # fmt: skip
+    out = kernels.gated_delta_decode(x["mixed_qkv"], x["g"], x["beta"], weight, conv_states,
+                                     states, slots, dims.num_k_heads)  # fmt: skip
+    assert out.dtype == dtype
+    atol = ATOL if dtype == torch.float32 else 2e-2
+    close(out.float(), expected.float(), atol=atol)
+    assert torch.equal(conv_states, pools[0])  # the untouched slots too
+    close(states, pools[1], atol=1e-6 if dtype == torch.float32 else 1e-2)
+    for slot in (0, 2, 4):
+        assert torch.equal(states[slot], initial_states(22, "cpu", dims, slots=6)[1][slot])
+
+
+def test_kernel_refuses_a_slot_outside_the_pool(kernels) -> None:
+    x, weight = inputs(1, seed=23, device="cpu"), weights(24, "cpu")
+    conv_states, states = initial_states(25, "cpu", slots=2)
+    with pytest.raises(RuntimeError, match="slot"):
+        kernels.gated_delta_decode(x["mixed_qkv"], x["g"], x["beta"], weight, conv_states,
+                                   states, torch.tensor([2]), DIMS.num_k_heads)  # fmt: skip
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="bf16 kernels need AVX512-BF16")
+def test_bf16_decode_on_cpu_runs_the_kernel(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's ops ran")
+
+    monkeypatch.setattr(gated_delta_net, "decode_torch", refuse)
+    x, weight = inputs(2, seed=26, device="cpu"), weights(27, "cpu").to(torch.bfloat16)
+    conv_states, states = initial_states(28, "cpu", slots=3)
+    out = gdn_decode(x["mixed_qkv"].to(torch.bfloat16), x["g"], x["beta"], weight,
+                     conv_states.to(torch.bfloat16), states, torch.tensor([2, 0]), DIMS)  # fmt: skip
+    assert out.shape == (2, DIMS.num_v_heads, DIMS.head_v_dim)
