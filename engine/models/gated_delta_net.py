@@ -248,3 +248,45 @@ def decode_torch(
     flat.baddbmm_(k.reshape(-1, dims.head_k_dim, 1), delta.reshape(-1, 1, dims.head_v_dim))
     states.index_copy_(0, slots, s)
     return (q.unsqueeze(-2) @ s).squeeze(-2).to(mixed_qkv.dtype)
+
+
+def gdn_decode_steps(
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    num_steps_per_request: Sequence[int],
+    save_slots: Sequence[int] | torch.Tensor,
+    dims: GDNDims,
+) -> torch.Tensor:
+    """Speculative decoding's verify form: request b steps through its next
+    ``num_steps_per_request[b]`` tokens, consecutive rows of ``mixed_qkv [N, C]``, ``g``,
+    ``beta [N, Hv]`` (N the sum of the counts), from the states in ``slots[b]``, which end
+    as those after its last token. ``save_slots [N]`` names, per row, the slot that
+    receives both states after that row's token (-1: none), for the caller to take the
+    accepted prefix's states from. One `gdn_decode` per step over the requests still going.
+    Returns ``[N, Hv, Dv]``."""
+    counts = [int(n) for n in num_steps_per_request]
+    saves = torch.as_tensor(save_slots).tolist()
+    if len(saves) != mixed_qkv.shape[0] or sum(counts) != len(saves) or len(counts) != len(slots):
+        raise ValueError(f"{len(saves)} save slots, {mixed_qkv.shape[0]} rows, steps {counts}")
+    starts = [sum(counts[:b]) for b in range(len(counts))]
+    out = mixed_qkv.new_empty(mixed_qkv.shape[0], dims.num_v_heads, dims.head_v_dim)
+    device = mixed_qkv.device
+    for step in range(max(counts, default=0)):
+        going = [b for b, n in enumerate(counts) if n > step]
+        rows = [starts[b] + step for b in going]
+        at = torch.tensor(rows, device=device)
+        own = slots[torch.tensor(going, device=slots.device)]
+        out[at] = gdn_decode(mixed_qkv[at], g[at], beta[at], conv_weight, conv_states, states,
+                             own, dims)  # fmt: skip
+        kept = [i for i, row in enumerate(rows) if saves[row] >= 0]
+        if kept:
+            src = own[torch.tensor(kept, device=own.device)]
+            dst = torch.tensor([saves[rows[i]] for i in kept], device=states.device)
+            conv_states.index_copy_(0, dst, conv_states[src])
+            states.index_copy_(0, dst, states[src])
+    return out
