@@ -197,8 +197,9 @@ def gdn_decode(
     kernels = decode_kernels(mixed_qkv, conv_weight, conv_states, states, dims)
     if kernels is not None:
         return kernels.gated_delta_decode(
-            mixed_qkv, g.float().contiguous(), beta.float().contiguous(), conv_weight,
-            conv_states, states, slots.long().contiguous(), dims.num_k_heads,
+            mixed_qkv.contiguous(), g.float().contiguous(), beta.float().contiguous(),
+            conv_weight.contiguous(), conv_states, states, slots.long().contiguous(),
+            dims.num_k_heads,
         )  # fmt: skip
     return decode_torch(mixed_qkv, g, beta, conv_weight, conv_states, states, slots, dims)
 
@@ -219,7 +220,8 @@ def decode_kernels(
         and states.dtype == torch.float32
         and dims.head_k_dim % 8 == 0
         and dims.head_v_dim % 8 == 0
-        and all(t.is_contiguous() for t in (mixed_qkv, conv_weight, conv_states, states))
+        and conv_states.is_contiguous()  # the pools are written in place
+        and states.is_contiguous()
     )
     return bf16_cpu_kernels(mixed_qkv.dtype, mixed_qkv.device) if fits else None
 

@@ -311,6 +311,8 @@ def test_bf16_decode_on_cpu_runs_the_kernel(monkeypatch) -> None:
     monkeypatch.setattr(gated_delta_net, "decode_torch", refuse)
     x, weight = inputs(2, seed=26, device="cpu"), weights(27, "cpu").to(torch.bfloat16)
     conv_states, states = initial_states(28, "cpu", slots=3)
-    out = gdn_decode(x["mixed_qkv"].to(torch.bfloat16), x["g"], x["beta"], weight,
-                     conv_states.to(torch.bfloat16), states, torch.tensor([2, 0]), DIMS)  # fmt: skip
+    fused = torch.cat([x["mixed_qkv"], x["beta"]], dim=1).to(torch.bfloat16)  # a fused projection
+    mixed = fused[:, : DIMS.conv_dim]  # not contiguous: copied for the kernel
+    out = gdn_decode(mixed, x["g"], x["beta"], weight, conv_states.to(torch.bfloat16), states,
+                     torch.tensor([2, 0]), DIMS)  # fmt: skip
     assert out.shape == (2, DIMS.num_v_heads, DIMS.head_v_dim)
