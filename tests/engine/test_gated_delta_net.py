@@ -295,12 +295,13 @@ def test_kernel_equals_torch_ops(kernels, dims: GDNDims, dtype: torch.dtype) -> 
         assert torch.equal(states[slot], initial_states(22, "cpu", dims, slots=6)[1][slot])
 
 
-def test_kernel_refuses_a_slot_outside_the_pool(kernels) -> None:
-    x, weight = inputs(1, seed=23, device="cpu"), weights(24, "cpu")
+@pytest.mark.parametrize("slots", [[2], [1, 1]], ids=["outside", "twice"])
+def test_kernel_refuses_a_slot_outside_the_pool_or_twice(kernels, slots: list[int]) -> None:
+    x, weight = inputs(len(slots), seed=23, device="cpu"), weights(24, "cpu")
     conv_states, states = initial_states(25, "cpu", slots=2)
     with pytest.raises(RuntimeError, match="slot"):
         kernels.gated_delta_decode(x["mixed_qkv"], x["g"], x["beta"], weight, conv_states,
-                                   states, torch.tensor([2]), DIMS.num_k_heads)  # fmt: skip
+                                   states, torch.tensor(slots), DIMS.num_k_heads)  # fmt: skip
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="bf16 kernels need AVX512-BF16")

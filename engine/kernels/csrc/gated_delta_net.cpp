@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -49,7 +50,8 @@ void l2norm(float* x, int64_t n, float scale) {
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   const __m256 f = _mm256_set1_ps(1.f / std::sqrt(hsum(acc) + 1e-6f) * scale);
-  for (int64_t i = 0; i < n; i += kLanes) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), f));
+  for (int64_t i = 0; i < n; i += kLanes)
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), f));
 }
 
 // Columns [j, j + 8 NB) of one head's state S [Dk, Dv]: the delta rule's step in two passes over
@@ -74,7 +76,8 @@ void delta_tile(float* S, const float* q, const float* k, const float* v, float*
     const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
     float* row = S + i * Dv + j;
     for (int r = 0; r < NB; ++r) {
-      const __m256 s = _mm256_fmadd_ps(ki, delta[r], _mm256_mul_ps(d, _mm256_loadu_ps(row + r * kLanes)));
+      const __m256 old = _mm256_mul_ps(d, _mm256_loadu_ps(row + r * kLanes));
+      const __m256 s = _mm256_fmadd_ps(ki, delta[r], old);
       _mm256_storeu_ps(row + r * kLanes, s);
       acc[r] = _mm256_fmadd_ps(qi, s, acc[r]);
     }
@@ -138,7 +141,8 @@ void decode(const torch::Tensor& mixed_qkv, const torch::Tensor& g, const torch:
       const float decay = std::exp(gp[task]), bt = bp[task];
       float* o = op + task * Dv;
       int64_t j = 0;
-      for (; j + 8 * kLanes <= Dv; j += 8 * kLanes) delta_tile<8>(S, q, k, v, o, Dk, Dv, j, decay, bt);
+      for (; j + 8 * kLanes <= Dv; j += 8 * kLanes)
+        delta_tile<8>(S, q, k, v, o, Dk, Dv, j, decay, bt);
       for (; j < Dv; j += kLanes) delta_tile<1>(S, q, k, v, o, Dk, Dv, j, decay, bt);
     }
   });
@@ -173,7 +177,12 @@ torch::Tensor gated_delta_decode(const torch::Tensor& mixed_qkv, const torch::Te
   TORCH_CHECK(g.numel() == B * Hv && beta.numel() == B * Hv && slots.numel() == B,
               "g, beta [B, Hv], slots [B]");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "slot out of range");
+  std::vector<bool> taken(S);  // two requests on one slot would race on its state
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "slot ", sp[b], " out of range");
+    TORCH_CHECK(!taken[sp[b]], "slot ", sp[b], " given twice");
+    taken[sp[b]] = true;
+  }
   auto out = torch::empty({B, Hv, Dv}, mixed_qkv.options());
   if (dtype == at::kFloat)
     decode<float>(mixed_qkv, g, beta, conv_weight, conv_states, states, slots, num_k_heads, out);
