@@ -19,6 +19,9 @@ machine then builds, plans and serves the AVX2 path, so one machine tests both.
   matmuls, one call each (`csrc/fused_ops.cpp` bf16, `csrc/fused_ops_f32.cpp` float32)
 * ``DecodeStack``: a decode-only step's decoder layers in one call, through the kernels
   above (`csrc/decode_stack.cpp`)
+* ``gated_delta_decode(mixed_qkv, g, beta, conv_weight, conv_states, states, slots,
+  num_k_heads)``: a Gated DeltaNet layer's decode step for every request in one call
+  (`csrc/gated_delta_net.cpp`, both builds; `engine.models.gated_delta_net.gdn_decode`)
 * ``apply_token_bitmask_(logits, bitmask, rows)``: a grammar's allowed tokens on float32
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 
@@ -60,6 +63,7 @@ AVX2_SOURCES = (
     "paged_decode_f32.cpp",
     "decode_stack.cpp",
     "ggml_quants.cpp",
+    "gated_delta_net.cpp",
 )
 # The AVX512-BF16 build adds the bf16 and int8/int4 kernels.
 SOURCES = (

@@ -1,103 +1,294 @@
-"""TEMPORARY: the gated_delta_net API over transformers' own functions (until the real module lands)."""
+"""The numerical core of a Gated DeltaNet layer (Qwen3.5's linear attention), in torch.
+
+A linear layer keeps two states per request, in slots of pools its caller owns: the
+causal conv's last ``K - 1`` inputs (``conv_states [S, C, K-1]``, the model's dtype) and
+the delta rule's recurrent state (``states [S, Hv, Dk, Dv]``, float32). The ops here take
+what the layer's projections computed (``mixed_qkv`` before the conv, the log-decay ``g``
+and ``beta`` after its sigmoid), run the conv, silu, l2norm and the gated delta rule, and
+return the core output before the gated RMSNorm, exactly as transformers'
+``Qwen3_5GatedDeltaNet`` computes them (``causal_conv1d_fn``/``causal_conv1d_update`` and
+``torch_chunk_gated_delta_rule``/``torch_recurrent_gated_delta_rule``):
+
+* `gdn_prefill`: one request's tokens, the chunk-parallel form, continuing from its slot's
+  states and writing them back; ``saves`` also snapshots the states after given prefixes.
+* `gdn_decode`: one token for each of B requests, one recurrent step each, in their slots:
+  the native kernel (`engine.kernels`, csrc/gated_delta_net.cpp, one call for the whole
+  step) where `decode_kernels` finds one, else the same step in torch's ops (`decode_torch`).
+
+The recurrence, per value head (its key head serving ``Hv // Hk`` consecutive value heads),
+with q and k l2-normalised, q scaled by ``Dk ** -0.5``::
+
+    S = exp(g_t) S;  S += k_t (beta_t (v_t - k_t^T S));  o_t = q_t^T S     (S: [Dk, Dv])
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5.modeling_qwen3_5 import (
-    torch_chunk_gated_delta_rule,
-    torch_recurrent_gated_delta_rule,
-)
+
+from engine.kernels import bf16_cpu_kernels
+
+CHUNK = 64  # the chunked form's longest chunk, as transformers' torch_chunk_gated_delta_rule
+L2NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class GDNDims:
+    """A Gated DeltaNet layer's shape: key/value heads (``num_v_heads`` a multiple of
+    ``num_k_heads``), their head dims, and the causal conv's kernel size."""
+
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
 
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"{self.num_v_heads} value heads for {self.num_k_heads} key heads")
 
-def _conv(x, conv_state, weight):
-    full = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)  # [C, K-1+T]
-    out = F.conv1d(full.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])[
-        0
-    ]
-    return F.silu(out).t().to(x.dtype), full
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """C: the conv's channels, q, k then v."""
+        return 2 * self.key_dim + self.value_dim
 
 
-def _split(mixed, dims, T):
-    kd, vd = dims.num_k_heads * dims.head_k_dim, dims.num_v_heads * dims.head_v_dim
-    q, k, v = torch.split(mixed, [kd, kd, vd], dim=-1)
-    return (
-        q.reshape(1, T, -1, dims.head_k_dim),
-        k.reshape(1, T, -1, dims.head_k_dim),
-        v.reshape(1, T, -1, dims.head_v_dim),
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """transformers' (and FLA's) l2norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _qkv(mixed: torch.Tensor, dims: GDNDims) -> tuple[torch.Tensor, ...]:
+    """The conv's output ``[N, C]`` as float32 q, k ``[N, Hv, Dk]`` (normalised, q scaled,
+    each key head repeated for its value heads) and v ``[N, Hv, Dv]``."""
+    n, rep = mixed.shape[0], dims.num_v_heads // dims.num_k_heads
+    q, k, v = mixed.float().split([dims.key_dim, dims.key_dim, dims.value_dim], dim=-1)
+    q = l2norm(q.reshape(n, dims.num_k_heads, dims.head_k_dim)) * dims.head_k_dim**-0.5
+    k = l2norm(k.reshape(n, dims.num_k_heads, dims.head_k_dim))
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    return q, k, v.reshape(n, dims.num_v_heads, dims.head_v_dim)
+
+
+def _conv_silu(window: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The depthwise causal conv over ``window [C, K-1+T]`` (the conv state then the new
+    inputs), then silu: ``[T, C]`` in ``dtype``. In float32, rounded to ``dtype`` once
+    (transformers' causal_conv1d_fn rounds the conv, then silu, in a bf16 model's dtype)."""
+    out = F.conv1d(window.float().unsqueeze(0), weight.float().unsqueeze(1), groups=weight.shape[0])
+    return F.silu(out[0]).to(dtype).t()
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens in the chunk-parallel form (float32 throughout):
+    q, k ``[H, T, Dk]`` (normalised, q scaled), v ``[H, T, Dv]``, g, beta ``[H, T]``, the
+    initial state ``[H, Dk, Dv]``; returns (the output ``[H, T, Dv]``, the final state).
+
+    transformers' torch_chunk_gated_delta_rule, with T cut into ``ceil(T / 64)`` chunks of
+    equal length (not 64 and padding: the same sums, less padding for a short T)."""
+    h, t, dk = k.shape
+    num_chunks = -(-t // CHUNK)
+    size = -(-t // num_chunks)
+    pad = num_chunks * size - t  # zero k, v, beta and g: no change to the state
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    q, k, v = (x.reshape(h, num_chunks, size, x.shape[-1]) for x in (q, k, v))
+    beta = beta.reshape(h, num_chunks, size, 1)
+    cum = g.reshape(h, num_chunks, size).cumsum(dim=-1)  # log decay since the chunk's start
+    k_beta, v_beta = k * beta, v * beta
+
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i, 0 above the diagonal (-inf before exp)
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    # The UT transform: (I + tril(K_beta K^T * decay, -1))^-1 applied to v_beta and to the
+    # keys reading the chunk's incoming state
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    rhs = torch.cat([v_beta, k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    new_values, k_cumdecay = solved.split([v.shape[-1], dk], dim=-1)
+    intra = (q @ k.transpose(-1, -2)) * decay
+
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    for i in range(num_chunks):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(h, num_chunks * size, -1)[:, :t], state
+
+
+def gdn_prefill(
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    dims: GDNDims,
+    saves: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
+) -> torch.Tensor:
+    """One request's T tokens: ``mixed_qkv [T, C]``, ``g`` (float32), ``beta [T, Hv]``,
+    ``conv_weight [C, K]``. ``conv_state [C, K-1]`` and ``state [Hv, Dk, Dv]`` (float32) are
+    read as the states before the first token and written, in place, with those after the
+    last. Each ``(t, conv_dst, state_dst)`` of ``saves`` (0 < t <= T) receives the states
+    after the first t tokens. Returns the core output ``[T, Hv, Dv]`` in mixed_qkv's dtype."""
+    t_len = mixed_qkv.shape[0]
+    keep = dims.conv_kernel - 1
+    window = torch.cat([conv_state.to(conv_weight.dtype), mixed_qkv.t().to(conv_weight.dtype)], 1)
+    q, k, v = (
+        x.transpose(0, 1) for x in _qkv(_conv_silu(window, conv_weight, mixed_qkv.dtype), dims)
     )
+    g, beta = g.float().t(), beta.float().t()
+
+    bounds = sorted({t for t, _, _ in saves} | {t_len})
+    if bounds[0] <= 0 or bounds[-1] > t_len:
+        raise ValueError(f"save points {bounds[:-1]} outside 1..{t_len}")
+    outs, running, start = [], state.float(), 0
+    for end in bounds:
+        out, running = chunk_gated_delta_rule(
+            q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+            beta[:, start:end], running,
+        )  # fmt: skip
+        outs.append(out)
+        for t, conv_dst, state_dst in saves:
+            if t == end:
+                conv_dst.copy_(window[:, t : t + keep])
+                state_dst.copy_(running)
+        start = end
+    conv_state.copy_(window[:, t_len:])
+    state.copy_(running)
+    return torch.cat(outs, dim=1).transpose(0, 1).to(mixed_qkv.dtype)
 
 
-def _segment(mixed, g, beta, w, conv_state, state, dims):
-    T = mixed.shape[0]
-    out, full = _conv(mixed, conv_state, w)
-    q, k, v = _split(out, dims, T)
-    core, new = torch_chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g=g[None],
-        beta=beta[None],
-        initial_state=state[None],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+def gdn_decode(
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    dims: GDNDims,
+) -> torch.Tensor:
+    """One token for each of B requests: ``mixed_qkv [B, C]``, ``g``, ``beta [B, Hv]``; one
+    recurrent step each on the pools ``conv_states [S, C, K-1]`` and ``states [S, Hv, Dk,
+    Dv]`` at ``slots [B]`` (distinct), in place. Returns ``[B, Hv, Dv]`` in mixed_qkv's dtype."""
+    kernels = decode_kernels(mixed_qkv, conv_weight, conv_states, states, dims)
+    if kernels is not None:
+        return kernels.gated_delta_decode(
+            mixed_qkv.contiguous(), g.float().contiguous(), beta.float().contiguous(),
+            conv_weight.contiguous(), conv_states, states, slots.long().contiguous(),
+            dims.num_k_heads,
+        )  # fmt: skip
+    return decode_torch(mixed_qkv, g, beta, conv_weight, conv_states, states, slots, dims)
+
+
+def decode_kernels(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    dims: GDNDims,
+) -> ModuleType | None:
+    """The native module whose ``gated_delta_decode`` serves this step, or None (torch's
+    ops). As for the layer ops (`engine.kernels.layer_kernels`): bf16 on a CPU with the
+    AVX512-BF16 build; float32 stays torch's ops, the reference path (the kernel computes
+    float32 too, and is tested equal to the ops, for a float32 GGUF's layers to use)."""
+    fits = (
+        conv_weight.dtype == conv_states.dtype == mixed_qkv.dtype
+        and states.dtype == torch.float32
+        and dims.head_k_dim % 8 == 0
+        and dims.head_v_dim % 8 == 0
+        and conv_states.is_contiguous()  # the pools are written in place
+        and states.is_contiguous()
     )
-    conv_state.copy_(full[:, -(dims.conv_kernel - 1) :])
-    state.copy_(new[0])
-    return core[0]
+    return bf16_cpu_kernels(mixed_qkv.dtype, mixed_qkv.device) if fits else None
 
 
-def gdn_prefill(mixed_qkv, g, beta, conv_weight, conv_state, state, dims, saves=()):
-    outs, start = [], 0
-    for t, conv_dst, state_dst in list(saves) + [(mixed_qkv.shape[0], None, None)]:
-        if t > start:
-            outs.append(
-                _segment(
-                    mixed_qkv[start:t],
-                    g[start:t],
-                    beta[start:t],
-                    conv_weight,
-                    conv_state,
-                    state,
-                    dims,
-                )
-            )
-            start = t
-        if conv_dst is not None:
-            conv_dst.copy_(conv_state)
-            state_dst.copy_(state)
-    return torch.cat(outs)
+def decode_torch(
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    dims: GDNDims,
+) -> torch.Tensor:
+    """`gdn_decode` in torch's ops."""
+    window = torch.cat([conv_states[slots].to(conv_weight.dtype),
+                        mixed_qkv.unsqueeze(-1).to(conv_weight.dtype)], dim=-1)  # fmt: skip
+    conv_states.index_copy_(0, slots, window[..., 1:].to(conv_states.dtype))
+    conv = (window.float() * conv_weight.float()).sum(dim=-1)  # a window of exactly K
+    q, k, v = _qkv(F.silu(conv).to(mixed_qkv.dtype), dims)
+
+    s = states[slots]  # [B, Hv, Dk, Dv], a copy
+    s.mul_(g.float().exp()[..., None, None])
+    delta = (v - (k.unsqueeze(-2) @ s).squeeze(-2)) * beta.float().unsqueeze(-1)
+    flat = s.view(-1, dims.head_k_dim, dims.head_v_dim)
+    flat.baddbmm_(k.reshape(-1, dims.head_k_dim, 1), delta.reshape(-1, 1, dims.head_v_dim))
+    states.index_copy_(0, slots, s)
+    return (q.unsqueeze(-2) @ s).squeeze(-2).to(mixed_qkv.dtype)
 
 
-def gdn_decode(mixed_qkv, g, beta, conv_weight, conv_states, states, slots, dims):
-    outs = []
-    for i in range(mixed_qkv.shape[0]):
-        s = int(slots[i])
-        cs, st = conv_states[s], states[s]
-        out, full = _conv(mixed_qkv[i : i + 1], cs, conv_weight)
-        q, k, v = _split(out, dims, 1)
-        core, new = torch_recurrent_gated_delta_rule(
-            q,
-            k,
-            v,
-            g=g[i : i + 1][None],
-            beta=beta[i : i + 1][None],
-            initial_state=st[None],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        cs.copy_(full[:, 1:])
-        st.copy_(new[0])
-        outs.append(core[0])
-    return torch.cat(outs)
+def gdn_decode_steps(
+    mixed_qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    num_steps_per_request: Sequence[int],
+    save_slots: Sequence[int] | torch.Tensor,
+    dims: GDNDims,
+) -> torch.Tensor:
+    """Speculative decoding's verify form: request b steps through its next
+    ``num_steps_per_request[b]`` tokens, consecutive rows of ``mixed_qkv [N, C]``, ``g``,
+    ``beta [N, Hv]`` (N the sum of the counts), from the states in ``slots[b]``, which end
+    as those after its last token. ``save_slots [N]`` names, per row, the slot that
+    receives both states after that row's token (-1: none), for the caller to take the
+    accepted prefix's states from. One `gdn_decode` per step over the requests still going.
+    Returns ``[N, Hv, Dv]``."""
+    counts = [int(n) for n in num_steps_per_request]
+    saves = torch.as_tensor(save_slots).tolist()
+    if len(saves) != mixed_qkv.shape[0] or sum(counts) != len(saves) or len(counts) != len(slots):
+        raise ValueError(f"{len(saves)} save slots, {mixed_qkv.shape[0]} rows, steps {counts}")
+    starts = [sum(counts[:b]) for b in range(len(counts))]
+    out = mixed_qkv.new_empty(mixed_qkv.shape[0], dims.num_v_heads, dims.head_v_dim)
+    device = mixed_qkv.device
+    for step in range(max(counts, default=0)):
+        going = [b for b, n in enumerate(counts) if n > step]
+        rows = [starts[b] + step for b in going]
+        at = torch.tensor(rows, device=device)
+        own = slots[torch.tensor(going, device=slots.device)]
+        out[at] = gdn_decode(mixed_qkv[at], g[at], beta[at], conv_weight, conv_states, states,
+                             own, dims)  # fmt: skip
+        kept = [i for i, row in enumerate(rows) if saves[row] >= 0]
+        if kept:
+            src = own[torch.tensor(kept, device=own.device)]
+            dst = torch.tensor([saves[rows[i]] for i in kept], device=states.device)
+            conv_states.index_copy_(0, dst, conv_states[src])
+            states.index_copy_(0, dst, states[src])
+    return out

@@ -26,6 +26,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row", nogil);
 
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "one Gated DeltaNet decode step per request on its slots of the conv and state pools",
+        py::arg("mixed_qkv"), py::arg("g"), py::arg("beta"), py::arg("conv_weight"),
+        py::arg("conv_states"), py::arg("states"), py::arg("slots"), py::arg("num_k_heads"),
+        nogil);
+
   m.def("ggml_dequantize", &ggml_dequantize, "float32 (or bf16) weights of ggml blocks",
         py::arg("w"), py::arg("type"), py::arg("cols"), py::arg("ids") = py::none(),
         py::arg("out") = py::none(), nogil);

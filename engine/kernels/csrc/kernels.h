@@ -40,6 +40,12 @@ torch::Tensor rope_write_kv_f32(const torch::Tensor& qkv, const torch::Tensor& c
                                 int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul_f32(const torch::Tensor& gate_up);
 
+// --- Gated DeltaNet (gated_delta_net.cpp): float32 or bf16 activations, both builds ---
+torch::Tensor gated_delta_decode(const torch::Tensor& mixed_qkv, const torch::Tensor& g,
+                                 const torch::Tensor& beta, const torch::Tensor& conv_weight,
+                                 torch::Tensor& conv_states, torch::Tensor& states,
+                                 const torch::Tensor& slots, int64_t num_k_heads);
+
 #ifdef PAGEDSERVE_BF16_KERNELS
 // --- bf16 and int8/int4 weights, AVX-512 (skinny_gemm.cpp, fused_ops.cpp, paged_decode.cpp,
 // token_bitmask.cpp) ---
