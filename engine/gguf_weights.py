@@ -150,7 +150,7 @@ class GGUFTensor:
         if (
             runs is not None
             and bool((runs[:, 0] % width == 0).all())
-            and bool((runs == runs[:, :1] + torch.arange(width)).all())
+            and bool((runs == runs[:, :1] + torch.arange(width, device=index.device)).all())
         ):
             rows = self.shape[0]
             blocks = self.blocks.view(rows, -1, size).index_select(1, runs[:, 0] // width)
