@@ -28,11 +28,13 @@ from engine.kernels import ggml_kernels
 from tests.engine.gguf_models import bpe_vocab, random_blocks, write_family_gguf
 
 # hidden 64; full attention: 4 query heads of 32 (each with its output gate: q_proj has
-# 256 rows), 2 KV heads, rotary on a quarter of a head; linear attention: 2 key heads of
-# 16, 4 value heads of 32 (a Q8_0 block: out_proj's columns move as whole blocks)
+# 256 rows), 2 KV heads, rotary on a quarter of a head; linear attention: 2 key heads and
+# 4 value heads, all of 32 (llama.cpp's qwen35 needs key and value heads of one size; a
+# Q8_0 block: out_proj's columns move as whole blocks). llama-server serves the converter's
+# file of it with transformers' greedy tokens.
 CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
           "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
           "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
           "layer_types": ["linear_attention"] * 3 + ["full_attention"],
