@@ -6,7 +6,8 @@ loader hard-codes per architecture (Gemma 3's sliding-window pattern and local r
 SmolLM3's layers without rope). This module reverses it into the dict transformers' config
 class of the family holds (the field names and values `engine/model_config.py` reads), for
 the architectures llama.cpp writes as `llama` (Llama, Mistral, SmolLM2), `qwen2`, `qwen3`,
-`gemma3`, `smollm3` and `phi3`; no transformers import, no tensor read.
+`gemma3`, `smollm3`, `phi3` and `qwen35` (Qwen3.5's text model); no transformers import, no
+tensor read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ MODEL_TYPES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
 }
 # llama.cpp's loader: every 6th Gemma 3 layer is global, the others slide, at base 10,000
 # (llama-model.cpp, `set_swa_pattern(6)`, `rope_freq_base_train_swa`); every 4th SmolLM3
@@ -34,6 +36,11 @@ MODEL_TYPES = {
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 SMOLLM3_NO_ROPE_INTERVAL = 4
+# Qwen3.5: every 4th layer full attention, the others linear (Gated DeltaNet), where a file
+# has neither `attention.recurrent_layers` nor `full_attention_interval` (transformers'
+# default too); its rotary sections, which text positions never tell apart (t = h = w)
+QWEN35_FULL_ATTENTION_INTERVAL = 4
+QWEN35_MROPE_SECTION = [11, 11, 10]
 _ROPE_SCALING_TYPES = ("linear", "yarn", "longrope")
 
 
@@ -85,7 +92,8 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
         "vocab_size": _vocab_size(gguf, keys),
         "hidden_size": hidden,
         "intermediate_size": keys.need("feed_forward_length"),
-        "num_hidden_layers": keys.need("block_count"),
+        # Qwen3.5's multi-token-prediction layers follow the model's in the block count
+        "num_hidden_layers": keys.need("block_count") - (keys.get("nextn_predict_layers") or 0),
         "num_attention_heads": heads,
         "num_key_value_heads": keys.get("attention.head_count_kv", heads),
         "max_position_embeddings": keys.need("context_length"),
@@ -188,8 +196,41 @@ def _float_values(gguf: GGUFFile, name: str) -> list[float] | None:
     return [float(v) for v in gguf.array(info).view("<f4")]
 
 
+def _qwen35(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    """Qwen3.5's text model (transformers' Qwen3_5TextConfig): linear-attention (Gated
+    DeltaNet) layers between full-attention ones, whose sizes the converter writes under
+    llama.cpp's SSM keys (Qwen3NextModel.set_gguf_parameters), rotary on a part of each head
+    (`rope.dimension_count`), interleaved M-RoPE sections (`rope.dimension_sections`)."""
+    layers = config["num_hidden_layers"]
+    config["hidden_act"] = "silu"
+    config["attention_bias"] = any(name.endswith(".attn_q.bias") for name in tensors)
+    # (not the rotary width, which is a part of the head here)
+    config["head_dim"] = keys.get("attention.key_length") or 256  # transformers' default
+    recurrent = keys.gguf.read_array(f"{keys.arch}.attention.recurrent_layers")
+    if recurrent is not None and len(recurrent) >= layers:  # (+ False for each MTP layer)
+        config["layer_types"] = ["linear_attention" if r else "full_attention"
+                                 for r in recurrent[:layers]]  # fmt: skip
+    else:
+        interval = keys.get("full_attention_interval") or QWEN35_FULL_ATTENTION_INTERVAL
+        config["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else
+                                 "linear_attention" for i in range(layers)]  # fmt: skip
+    value_heads = keys.need("ssm.time_step_rank")
+    config["linear_conv_kernel_dim"] = keys.need("ssm.conv_kernel")
+    config["linear_key_head_dim"] = keys.need("ssm.state_size")
+    config["linear_num_key_heads"] = keys.need("ssm.group_count")
+    config["linear_num_value_heads"] = value_heads
+    config["linear_value_head_dim"] = keys.need("ssm.inner_size") // value_heads
+    rope = config["rope_parameters"]
+    rotary = keys.get("rope.dimension_count") or config["head_dim"] // 4  # the 0.25 default
+    rope["partial_rotary_factor"] = rotary / config["head_dim"]
+    sections = keys.gguf.read_array(f"{keys.arch}.rope.dimension_sections")
+    rope["mrope_section"] = ([int(s) for s in sections[:3]] if sections is not None
+                             else list(QWEN35_MROPE_SECTION))  # fmt: skip
+    rope["mrope_interleaved"] = True  # llama.cpp's qwen35 always interleaves them
+
+
 _FAMILY: dict[str, Callable[[dict[str, Any], _Keys, set[str]], None]] = {
-    "qwen3": _qwen3, "smollm3": _smollm3, "gemma3": _gemma3, "phi3": _phi3,
+    "qwen3": _qwen3, "smollm3": _smollm3, "gemma3": _gemma3, "phi3": _phi3, "qwen35": _qwen35,
 }  # fmt: skip
 
 

@@ -87,6 +87,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): _GGUF_HOST,
     ("engine/gguf_weights.py", "GGUFTensor.dequantize", ".numpy()"): _GGUF_HOST,
     ("engine/gguf_weights.py", "qk_row_order", "torch.arange without device="): _GGUF_HOST,
+    ("engine/gguf_weights.py", "v_head_order", "torch.arange without device="): _GGUF_HOST,
+    ("engine/gguf_weights.py", "qwen35_orders", "torch.arange without device="): _GGUF_HOST,
     ("engine/gguf_weights.py", "_float_tensor", "torch.from_numpy without device="): _GGUF_HOST,
     ("engine/gguf_weights.py", "read_tensors", "torch.from_numpy without device="): _GGUF_HOST,
     ("engine/loader.py", "_safetensors", 'device string "cpu"'): (

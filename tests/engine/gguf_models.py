@@ -127,9 +127,12 @@ def _write_gguf(
 
 # transformers' model_type -> llama.cpp's architecture
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-              "smollm3": "smollm3", "phi3": "phi3"}  # fmt: skip
+              "smollm3": "smollm3", "phi3": "phi3", "qwen3_5_text": "qwen35"}  # fmt: skip
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
-_PLUS_ONE_NORMS = ("gemma3",)  # Gemma3Model.norm_shift
+# Gemma3Model.norm_shift; Qwen3NextModel.modify_tensors (all norms but linear_attn's)
+_PLUS_ONE_NORMS = ("gemma3", "qwen35")
+# What convert_hf_to_gguf keeps in F32 in a quantized file (beside every 1-D tensor)
+_KEPT_F32 = ("linear_attn.conv1d.weight",)
 
 
 def bpe_vocab(pre: str = "smollm") -> dict:
@@ -164,11 +167,22 @@ def spm_vocab(size: int = 600) -> dict:
             "bos": 2, "eos": 1, "unk": 3, "pad": 0, "add_bos": True}  # fmt: skip
 
 
-def write_family_gguf(path: Path, model, vocab: dict, template: str | None = None) -> Path:
+def write_family_gguf(
+    path: Path,
+    model,
+    vocab: dict,
+    template: str | None = None,
+    qtype: T | None = None,
+    mtp: bool = False,
+) -> Path:
     """``model`` (a tiny transformers CausalLM) as an F32 GGUF with ``vocab``'s tokenizer,
     the keys and tensors as llama.cpp's convert_hf_to_gguf writes them for its family:
     names from gguf-py's own tensor map, q/k rows permuted for llama and SmolLM3, Gemma's
-    norms stored plus one, Phi-3's LongRoPE factors as tensors."""
+    and Qwen3.5's norms stored plus one, Phi-3's LongRoPE factors as tensors, Qwen3.5's
+    linear attention as `_qwen35_tensor` says. ``qtype``: its 2-D weights in that type
+    (the gguf package quantizes the legacy types), as ``--outtype`` has them. ``mtp``
+    (Qwen3.5): a multi-token-prediction block after the layers, as the converter writes a
+    checkpoint's `mtp.*` without --no-mtp (random values: transformers' model has none)."""
     import gguf
 
     config = model.config
@@ -178,7 +192,7 @@ def write_family_gguf(path: Path, model, vocab: dict, template: str | None = Non
     w.add_name("mistral" if config.model_type == "mistral" else f"tiny-{arch}")
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers)
+    w.add_block_count(config.num_hidden_layers + mtp)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
@@ -207,24 +221,113 @@ def write_family_gguf(path: Path, model, vocab: dict, template: str | None = Non
                 w.add_tensor(f"rope_factors_{kind}.weight", factors)
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+    if arch == "qwen35":
+        _qwen35_keys(w, config, head_dim, mtp)
     _write_vocab(w, vocab, template, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if arch == "qwen35":
+            tensor, name = _qwen35_tensor(tensor.detach().float(), name, config)
         data = tensor.detach().float().numpy().copy()
         stem, _, kind = name.rpartition(".")
         if arch in _PERMUTED and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if "q_proj" in stem else config.num_key_value_heads
             data = _permute(data, heads)
-        if arch in _PLUS_ONE_NORMS and name.endswith("norm.weight"):
+        if (arch in _PLUS_ONE_NORMS and name.endswith("norm.weight")
+                and not name.endswith("linear_attn.norm.weight")):  # fmt: skip
             data = data + 1
-        w.add_tensor(f"{names.get_name(stem)}.{kind}", data)
+        # A_log has no .weight: its name is the whole of it (blk.N.ssm_a)
+        gguf_name = f"{names.get_name(stem)}.{kind}" if kind in ("weight", "bias") \
+            else names.get_name(name)  # fmt: skip
+        if qtype is not None and data.ndim == 2 and not name.endswith(_KEPT_F32):
+            w.add_tensor(gguf_name, quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data)
+    if mtp:
+        _qwen35_mtp_block(w, model)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _qwen35_keys(w: GGUFWriter, config, head_dim: int, mtp: bool) -> None:
+    """Qwen3NextModel.set_gguf_parameters and _Qwen35MRopeMixin's: the linear attention's
+    sizes under llama.cpp's SSM keys, which layers are linear (an MTP block: not), the
+    rotary width and the M-RoPE sections (the default when the config has none)."""
+    rope = config.rope_parameters
+    value_heads = config.linear_num_value_heads
+    w.add_rope_dimension_sections([*rope.get("mrope_section", [11, 11, 10]), 0])
+    w.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    w.add_ssm_state_size(config.linear_key_head_dim)
+    w.add_ssm_group_count(config.linear_num_key_heads)
+    w.add_ssm_time_step_rank(value_heads)
+    w.add_ssm_inner_size(config.linear_value_head_dim * value_heads)
+    w.add_array(f"{w.arch}.attention.recurrent_layers",
+                [t == "linear_attention" for t in config.layer_types] + [False] * mtp)  # fmt: skip
+    w.add_full_attention_interval(4)  # the config's full_attention_interval, 4 by default
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if mtp:
+        w.add_nextn_predict_layers(1)
+
+
+def _qwen35_mtp_block(w: GGUFWriter, model) -> None:
+    """_QwenMtpMixin's block `blk.{layers}`: a full-attention layer's tensors (random, shaped
+    as the last full-attention layer's) and its nextn.* projection and norms."""
+    import gguf
+
+    config = model.config
+    block, hidden = config.num_hidden_layers, config.hidden_size
+    full = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, block + 1)
+    shapes = {"nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+              "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,)}  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        if name.startswith(f"model.layers.{full}."):
+            stem, _, kind = name.replace(f".{full}.", f".{block}.", 1).rpartition(".")
+            shapes[f"{names.get_name(stem)}.{kind}".removeprefix(f"blk.{block}.")] = tensor.shape
+    rng = np.random.default_rng(1)
+    for name, shape in shapes.items():
+        w.add_tensor(f"blk.{block}.{name}", rng.standard_normal(shape).astype(np.float32))
+
+
+def _qwen35_tensor(tensor, name: str, config) -> tuple:
+    """convert_hf_to_gguf's `_LinearAttentionVReorderBase.modify_tensors` (value heads from
+    grouped by key head to tiled over the key heads, where there are more value than key
+    heads) then `Qwen3NextModel.modify_tensors` (A stored as -exp(A_log), dt_bias renamed
+    dt_proj.bias, conv1d's kernel squeezed to [channels, kernel]) on one tensor; the norms'
+    +1 is the caller's. Returns (tensor, its name for the tensor map)."""
+    import torch
+
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    if "linear_attn." in name and key_heads != value_heads:
+        qk = 2 * config.linear_key_head_dim * key_heads
+        head_v = config.linear_value_head_dim
+
+        def tiled(t, dim: int, head_dim: int):  # _reorder_v_heads
+            shape = list(t.shape)
+            grouped = t.reshape(*shape[:dim], key_heads, value_heads // key_heads, head_dim,
+                                *shape[dim + 1 :])  # fmt: skip
+            return grouped.transpose(dim, dim + 1).reshape(shape)
+
+        if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+            tensor = torch.cat([tensor[:qk], tiled(tensor[qk:], 0, head_v)])
+        elif name.endswith(".in_proj_z.weight"):
+            tensor = tiled(tensor, 0, head_v)
+        elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+            tensor = tiled(tensor, 0, 1)
+        elif name.endswith(".out_proj.weight"):
+            tensor = tiled(tensor, 1, head_v)
+    if name.endswith(".A_log"):
+        tensor = -torch.exp(tensor)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif name.endswith(".conv1d.weight"):
+        tensor = tensor.squeeze()
+    return tensor, name
 
 
 def _llama3_factors(rope: dict, dim: int) -> np.ndarray:
