@@ -388,9 +388,25 @@ def iter_weights(
 
 
 def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as the model loads it (transformers' name and shape)."""
     arch = gguf_arch(gguf)
-    names = ((hf_name(t.name, gguf.path, arch), t.shape) for t in gguf.tensors)
-    return {name: shape for name, shape in names if name is not None}
+    layers = _model_layers(gguf, arch)
+    shapes = {}
+    for t in gguf.tensors:
+        name = hf_name(t.name, gguf.path, arch, layers)
+        if name is not None:  # (a conv1d weight [C, K] loads as transformers' [C, 1, K])
+            conv = name.endswith("conv1d.weight") and len(t.shape) == 2
+            shapes[name] = (t.shape[0], 1, t.shape[1]) if conv else t.shape
+    return shapes
+
+
+def _model_layers(gguf: GGUFFile, arch: str) -> int | None:
+    """The model's layers: the file's blocks but its multi-token prediction ones."""
+    blocks = gguf.metadata.get(f"{arch}.block_count")
+    if not isinstance(blocks, int):
+        return None
+    nextn = gguf.metadata.get(f"{arch}.nextn_predict_layers", 0)
+    return blocks - nextn if isinstance(nextn, int) else blocks
 
 
 def _safetensors(

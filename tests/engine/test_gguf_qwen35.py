@@ -22,10 +22,12 @@ from gguf import quants
 from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from engine.gguf_config import gguf_config
+from engine import LLM
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import NATIVE_TYPES, GGUFTensor, hf_name, read_tensors
 from engine.kernels import ggml_kernels
 from tests.engine.gguf_models import bpe_vocab, random_blocks, write_family_gguf
+from tests.engine.test_engine_golden import engine_greedy, hf_greedy
 
 # hidden 64; full attention: 4 query heads of 32 (each with its output gate: q_proj has
 # 256 rows), 2 KV heads, rotary on a quarter of a head; linear attention: 2 key heads and
@@ -198,3 +200,17 @@ def test_columns_move_as_whole_blocks_or_else_dequantized(qtype):
     else:
         assert isinstance(moved, torch.Tensor)
     assert torch.equal(moved, dense[:, heads])
+
+
+def test_the_engine_serves_the_file_with_transformers_greedy_tokens(files, tmp_path):
+    """The F32 file, multi-token prediction block and all, through the engine: token for
+    token transformers' greedy output on the model it was written from."""
+    prompts = [[5, 17, 300, 42, 99, 7, 250, 11], list(range(40, 75))]
+    expected = hf_greedy(None, prompts, 12, hf=_model())
+    llm = LLM(model=str(files["mtp"]), dtype="float32", block_size=4, num_blocks=128,
+              state_slots=16, cache_dir=str(tmp_path))  # fmt: skip
+    assert engine_greedy(llm, prompts, 12) == expected
+    q8 = LLM(model=str(files["q8_0"]), block_size=4, num_blocks=128, state_slots=16,
+             cache_dir=str(tmp_path))  # fmt: skip
+    assert "Q8_0" in q8.engine.core.config.plan.weights
+    assert len(engine_greedy(q8, prompts, 12)[0]) == 12
