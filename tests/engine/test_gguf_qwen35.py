@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from engine.gguf_config import gguf_config
 from engine import LLM
+from engine.gguf_config import gguf_config
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import NATIVE_TYPES, GGUFTensor, hf_name, read_tensors
 from engine.kernels import ggml_kernels
