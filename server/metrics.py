@@ -267,9 +267,20 @@ class _KVBlocksCollector(Collector):
         )
         for group in counts.groups if counts is not None else ():
             by_group.add_metric([str(group.group), group.attention], group.in_use)
+        slots = GaugeMetricFamily(
+            PREFIX + "state_slots",
+            "A linear-attention model's state slots by state: free, cached (a prefix cache "
+            "snapshot of a state, evicted least recently used first), in_use (running "
+            "requests' states and snapshots being written); absent for other models.",
+            labels=["state"],
+        )
+        states = counts.states if counts is not None else None
+        for state in BLOCK_STATES if states is not None else ():
+            slots.add_metric([state], getattr(states, state))
         yield by_state
         yield total
         yield by_group
+        yield slots
 
 
 class StatsLogger:
