@@ -27,8 +27,9 @@ The shapes (vocabulary: the tokenizer's 49152, not the original's):
   ``8b``: Llama-3-8B's (32 layers of 4096, 14336 MLP, 8 KV heads).
 * The families of 2026 (`FAMILY_SHAPES`), built by transformers' own model class from its
   config (its random initialisation, bf16): ``qwen3-0.6b``, ``qwen3-1.7b`` (q/k norms,
-  head_dim 128) and ``gemma3-1b`` (26 layers, one full layer in six, the others over a
-  512-token window; one KV head of 256).
+  head_dim 128), ``gemma3-1b`` (26 layers, one full layer in six, the others over a
+  512-token window; one KV head of 256), ``qwen3.5-0.8b`` and ``qwen3.5-2b`` (24 layers,
+  three Gated DeltaNet layers of 16 heads of 128 to one gated full-attention layer).
 """
 
 from __future__ import annotations
@@ -72,7 +73,22 @@ FAMILY_SHAPES = {
                                       num_hidden_layers=26, num_attention_heads=4,
                                       num_key_value_heads=1, head_dim=256, sliding_window=512,
                                       query_pre_attn_scalar=256, tie_word_embeddings=True)),
+    # Qwen3.5 (linear-attention hybrids: three Gated DeltaNet layers to one full) in the
+    # shapes of its 0.8B and 2B text models.
+    "qwen3.5-0.8b": ("qwen3_5_text", dict(hidden_size=1024, intermediate_size=3584,
+                                          num_hidden_layers=24, num_attention_heads=8,
+                                          num_key_value_heads=2, head_dim=256,
+                                          linear_num_key_heads=16, linear_num_value_heads=16,
+                                          tie_word_embeddings=True)),
+    "qwen3.5-2b": ("qwen3_5_text", dict(hidden_size=2048, intermediate_size=6144,
+                                        num_hidden_layers=24, num_attention_heads=8,
+                                        num_key_value_heads=2, head_dim=256,
+                                        linear_num_key_heads=16, linear_num_value_heads=16,
+                                        tie_word_embeddings=True)),
 }  # fmt: skip
+# The converter's extra arguments per model_type (Qwen3.5's multi-token prediction layers
+# are not in a model transformers initialises).
+CONVERTER_ARGS = {"qwen3_5_text": ["--no-mtp"]}
 
 
 def write_family_dir(name: str, out: Path, seed: int, tokenizer_dir: Path) -> Path:
@@ -157,19 +173,20 @@ def make_ggufs(
     """``out/<size>-standin.<TYPE>.gguf`` for each type: HF dir -> bf16 GGUF -> quantized;
     without ``quantize``, HF dir -> each type by the converter itself (CONVERTER_TYPES)."""
     hf = write_hf_dir(size, out / f"{size}-standin-hf")
+    extra = CONVERTER_ARGS.get(FAMILY_SHAPES[size][0], []) if size in FAMILY_SHAPES else []
     if quantize is None:
         files = []
         for qtype in types:
             target = out / f"{size}-standin.{qtype}.gguf"
             subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
-                            "--outtype", qtype.lower(), "--outfile", str(target)],
+                            "--outtype", qtype.lower(), "--outfile", str(target), *extra],
                            check=True)  # fmt: skip
             files.append(target)
         shutil.rmtree(hf)
         return files
     bf16 = out / f"{size}-standin.BF16.gguf"
     subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
-                    "--outtype", "bf16", "--outfile", str(bf16)], check=True)  # fmt: skip
+                    "--outtype", "bf16", "--outfile", str(bf16), *extra], check=True)  # fmt: skip
     shutil.rmtree(hf)  # the bf16 GGUF holds the same weights
     files = []
     for qtype in types:
