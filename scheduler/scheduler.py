@@ -41,6 +41,7 @@ from kv_cache.hybrid import kv_cache_manager_for
 from scheduler.config import SchedulerConfig, fits_context
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.stop_rules import append_tokens
 
 _RUNNING = RequestStatus.RUNNING
 # lpm ranks at most this many waiting requests per step (the oldest): ranking costs a
@@ -441,7 +442,7 @@ class Scheduler:
             if not tokens or len(tokens) > 1 + item.num_draft_tokens:
                 raise ValueError(f"no or too many sampled tokens for {item.request_id!r}")
             updated.append(request)
-            status = self._append(request, tokens, max_model_len)
+            status = append_tokens(request, tokens, max_model_len)
             if status is None and item.num_draft_tokens:
                 # The last token appended has no KV yet; the rejected drafts' blocks go back.
                 request.num_computed_tokens = len(request.all_token_ids) - 1
@@ -454,54 +455,3 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return updated
-
-    def _append(
-        self, request: Request, tokens: list[int], max_model_len: int
-    ) -> RequestStatus | None:
-        """Append tokens one by one until one finishes the request: its status, or None."""
-        output_ids = request.output_token_ids
-        all_ids = request.all_token_ids
-        params = request.sampling_params
-        for token in tokens:
-            output_ids.append(token)
-            all_ids.append(token)
-            status = None
-            # Cheap screen first: most tokens trip none of the stop rules.
-            if (
-                len(output_ids) >= params.max_tokens
-                or len(all_ids) >= max_model_len
-                or token in request.stop_screen
-            ):
-                status = self._check_stop(request, token, max_model_len)
-            if status is None and request.grammar is not None and _grammar_done(request, token):
-                status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                return status
-        return None
-
-    @staticmethod
-    def _check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
-        """The finished status the new token puts the request in, or None.
-
-        A stop token wins over length when both apply: the model did end there.
-        """
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens and (
-            (token in request.eos_token_ids and not params.ignore_eos)
-            or token in params.stop_token_ids
-        ):
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-
-def _grammar_done(request: Request, token: int) -> bool:
-    """Advance the request's grammar; True when its output is complete (or the token broke
-    the grammar, which the mask rules out unless every allowed token was masked by
-    something else, such as min_tokens holding back eos): either way it must stop. The
-    text held back so far is kept, unlike a stop string's (stop_reason stays None)."""
-    grammar = request.grammar
-    return not grammar.accept_token(token) or grammar.is_terminated()

@@ -151,6 +151,17 @@ def does_not_fit(req: Any, tokenizer: Any, lim: Limits) -> bool:
     return wanted > room or (req.min_tokens or 0) > wanted
 
 
+def over_the_context(req: Any, tokenizer: Any, lim: Limits) -> bool:
+    """The rendered prompt holds at most max_model_len tokens: a render is bounded to the
+    bytes the context could take (engine/template_bounds.py), so past that a count_tokens
+    request may be refused (400) as a chat request is."""
+    try:
+        lengths, _ = _prompt_lengths(req, tokenizer)
+    except OpenAIError:
+        return True
+    return max(lengths) > lim.max_model_len
+
+
 SAMPLING_RULES = (
     Rule("more than one output constraint", more_than_one_constraint),
     Rule("structured_outputs names not one kind", structured_outputs_not_one_kind),
@@ -219,8 +230,10 @@ def _messages_rules(path: str, body: dict[str, Any], tokenizer: Any, limits: Lim
     chat = chat_request(req)
     if path == "/v1/messages":
         return broken_rules("/v1/chat/completions", chat.model_dump(), tokenizer, limits)
-    # count_tokens renders the prompt only: its tools' rules, not the budget's.
-    return [r.name for r in TOOL_RULES if r.broken(chat, tokenizer, limits)]
+    # count_tokens renders the prompt only: its tools' rules and the render's bound, not
+    # the budget's.
+    rules = (*TOOL_RULES, Rule("the rendered prompt is past the context", over_the_context))
+    return [r.name for r in rules if r.broken(chat, tokenizer, limits)]
 
 
 def _responses_rules(body: dict[str, Any], tokenizer: Any, limits: Limits) -> list[str]:
@@ -233,7 +246,10 @@ def _responses_rules(body: dict[str, Any], tokenizer: Any, limits: Limits) -> li
     messages = conversation_of(req, [])
     if not messages:  # reasoning items only: they are taken and left out of the prompt
         return ["input holds no message"]
-    chat = responses_chat_request(req, messages)
+    try:
+        chat = responses_chat_request(req, messages)
+    except OpenAIError:  # (e.g. a text.format schema name the chat request's pattern refuses)
+        return ["the chat request it means is invalid"]
     return broken_rules("/v1/chat/completions", chat.model_dump(), tokenizer, limits)
 
 
