@@ -101,6 +101,8 @@ class HybridKVCacheManager:
         limit: int | None = None
         while True:
             hits = [group.get_computed_blocks(req, limit)[0] for group in self.members]
+            if limit is None and self.state is not None:  # the KV groups' own hit
+                self.state.note_shared_prefix(req, min(len(h) for h in hits[:-1]))
             shortest = min(len(h) for h in hits)
             if all(len(h) == shortest for h in hits):
                 break
@@ -125,13 +127,19 @@ class HybridKVCacheManager:
         """Room for num_new_tokens in every group, or None with no block taken. Returns
         the blocks newly allocated across the groups."""
         hits = hits or [[] for _ in self.members]
+        state = self.state
+        if (
+            state is not None
+            and req.num_computed_tokens == 0
+            and (state.waits_for_snapshot(req, len(hits[-1])))
+        ):
+            return None  # a step later it resumes from the snapshot being written
         needed = sum(
             group.num_blocks_needed(req, num_new_tokens, h)
             for group, h in zip(self.groups, hits[: len(self.groups)], strict=True)
         )
         if needed > len(self.block_pool.free_block_queue):
             return None
-        state = self.state
         if state is not None and state.num_blocks_needed(req, num_new_tokens, hits[-1]) > (
             state.num_free_slots
         ):

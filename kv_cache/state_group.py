@@ -68,7 +68,8 @@ ZERO = -1
 
 
 class _RequestSlots:
-    __slots__ = ("live", "source", "pending", "rollback", "hashes", "extra", "num_saved_to")
+    __slots__ = ("live", "source", "pending", "rollback", "hashes", "extra", "num_saved_to",
+                 "shared_end")  # fmt: skip
 
     def __init__(self, extra: object) -> None:
         self.live: KVCacheBlock | None = None
@@ -82,6 +83,9 @@ class _RequestSlots:
         self.hashes: list[BlockHash] = []  # the sequence's block hashes, under STATE_GROUP_KEY
         self.extra = extra
         self.num_saved_to = 0  # tokens up to which snapshots were planned
+        # The end of the prompt's prefix the KV cache holds beyond the state's hit: another
+        # request shares it, so a snapshot there serves the next one whole.
+        self.shared_end = 0
 
 
 class StateCacheManager:
@@ -108,6 +112,9 @@ class StateCacheManager:
         self._hasher = get_block_hasher(hash_algo)
         self._requests: dict[str, _RequestSlots] = {}
         self._steps: dict[str, StateStep] = {}  # the last allocation's, by request
+        # Snapshots planned and not yet written, by hash: a request whose prefix one of
+        # them ends is admitted a step later, to resume from it (`waits_for_snapshot`).
+        self._planned: dict[BlockHash, int] = {}
 
     # -- counts ---------------------------------------------------------------------------
 
@@ -161,6 +168,22 @@ class StateCacheManager:
             if snapshot is not None:
                 return [None] * (end - 1) + [snapshot], end * self.block_size
         return [], 0
+
+    def note_shared_prefix(self, req: RequestLike, num_blocks: int) -> None:
+        """The KV groups hold `num_blocks` of the prompt's blocks: a snapshot at their end
+        (if past the state's own hit) serves the next request that shares them."""
+        self._state(req).shared_end = num_blocks * self.block_size
+
+    def waits_for_snapshot(self, req: RequestLike, num_hit_blocks: int) -> bool:
+        """Whether a request past a hit of `num_hit_blocks` would resume from a longer one
+        that another request's step is writing now (several requests sharing a new prefix
+        arrive together: the first computes it, the others hit it a step later)."""
+        if not self._planned:
+            return False
+        state = self._state(req)
+        limit = (len(req.all_token_ids) - 1) // self.block_size
+        hashes = self._hashes(state, req.all_token_ids, limit)
+        return any(h in self._planned for h in hashes[num_hit_blocks:limit])
 
     # -- allocation -----------------------------------------------------------------------
 
@@ -216,6 +239,7 @@ class StateCacheManager:
             for end in ends:
                 (slot,) = self.pool.get_new_blocks(1)
                 state.pending.append((slot, end))
+                self._plan(state.hashes[end // self.block_size - 1], +1)
                 new.append(slot)
                 saves.append((end, slot.block_id))
             state.num_saved_to = ends[-1]
@@ -244,11 +268,10 @@ class StateCacheManager:
         known = len(req.all_token_ids)
         last = min(end, known) // bs * bs
         first = max(start, state.num_saved_to)
-        ends = list(range((first // every + 1) * every, last + 1, every))
+        ends = set(range((first // every + 1) * every, last + 1, every))
         prompt_end = (req.num_prompt_tokens - 1) // bs * bs
-        if first < prompt_end <= last and prompt_end not in ends:
-            ends.append(prompt_end)
-            ends.sort()
+        ends.update(e for e in (prompt_end, state.shared_end) if first < e <= last)
+        ends = sorted(ends)
         if not ends:
             return ends
         hashes = self._hashes(state, req.all_token_ids, ends[-1] // bs)
@@ -268,10 +291,18 @@ class StateCacheManager:
         for slot, end in going:
             if end is not None:  # (a snapshot another request cached first stays a copy)
                 index = end // bs - 1
+                self._plan(state.hashes[index], -1)
                 self.pool.cache_full_blocks([slot.block_id] * (index + 1), state.hashes,
                                             index, index + 1)  # fmt: skip
         self.pool.free_blocks([slot for slot, _ in going])
         state.pending = [entry for entry in state.pending if entry not in going]
+
+    def _plan(self, block_hash: BlockHash, change: int) -> None:
+        left = self._planned.get(block_hash, 0) + change
+        if left:
+            self._planned[block_hash] = left
+        else:
+            del self._planned[block_hash]
 
     def _drop_rollback(self, state: _RequestSlots, keep: KVCacheBlock | None = None) -> None:
         """Give back a speculative step's rollback slots but `keep` (never cached: to the
@@ -307,6 +338,8 @@ class StateCacheManager:
             written = end is None or end <= num_written_tokens
             (kept if written else unwritten).append((slot, end))
         state.pending = kept
+        for _, end in unwritten:
+            self._plan(state.hashes[end // self.block_size - 1], -1)
         self.pool.free_blocks([slot for slot, _ in unwritten])
         self._drop_rollback(state)
         state.num_saved_to = min(state.num_saved_to, num_written_tokens)

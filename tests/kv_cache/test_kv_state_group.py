@@ -227,3 +227,37 @@ def test_a_speculative_step_keeps_the_state_its_accepted_drafts_end_at():
     assert decode(mgr, req, 58).source is None
     assert mgr.state.num_slots_in_use == 1
     mgr.check_invariants()
+
+
+def test_a_prefix_two_requests_share_is_snapshotted_where_it_ends():
+    mgr = manager(num_slots=16, interval=100)  # no interval snapshot in reach
+    shared = list(range(22))  # 5 full blocks and 2 tokens
+    first = Req("a", shared + [100 + i for i in range(10)])
+    admit(mgr, first)
+    mgr.free(first)
+    # The KV blocks hold the 20 shared tokens' blocks; the state has no snapshot there yet,
+    # so the second request computes them and snapshots their end.
+    second = Req("b", shared + [200 + i for i in range(10)])
+    hit, step = admit(mgr, second)
+    assert hit == 0 and 20 in [end for end, _ in step.saves]
+    mgr.free(second)
+    third = Req("c", shared + [300 + i for i in range(10)])
+    assert admit(mgr, third)[0] == 20
+    mgr.check_invariants()
+
+
+def test_a_request_waits_a_step_for_the_snapshot_another_is_writing():
+    mgr = manager(num_slots=16, interval=2)
+    first = Req("a", list(range(30)))
+    admit(mgr, first)  # writes snapshots at 8, 16, 24 and 28 this step
+    second = Req("b", list(range(26)) + [7, 7, 7])
+    hits, _ = mgr.get_computed_blocks(second)
+    assert mgr.allocate_slots(second, 29, hits) is None  # not now: the snapshot at 24 is coming
+    decode(mgr, first, 1)  # the first request's step ran: its snapshots are published
+    hit, step = admit(mgr, second)
+    assert hit == 24 and step.source != ZERO
+    # A request sharing nothing with what is being written never waits.
+    decode(mgr, second, 1)
+    other = Req("c", [9] * 30)
+    assert admit(mgr, other)[0] == 0
+    mgr.check_invariants()
