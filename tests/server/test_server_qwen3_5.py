@@ -56,3 +56,15 @@ def test_a_stream_its_client_leaves_gives_its_state_back(server):
     next(iter(stream))
     stream.close()
     wait_all_free(server)
+
+
+def test_n_choices_each_get_a_state_forked_from_the_prompts(server):
+    """n > 1: a request per choice, each with its own live slot; the choices after the
+    first resume from the prompt's snapshot the first writes (a step later)."""
+    client = server.openai()
+    messages = [{"role": "user", "content": "Write a short poem about the sea and the sky."}]
+    greedy = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                            temperature=0, n=3)  # fmt: skip
+    texts = [c.message.content for c in greedy.choices]
+    assert len(texts) == 3 and len(set(texts)) == 1  # the same state, the same tokens
+    wait_all_free(server)
