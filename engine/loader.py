@@ -318,6 +318,8 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 def _is_multimodal(path: str | os.PathLike) -> bool:
     """A multimodal checkpoint served as its text model (engine/model_config.py)."""
+    if not (Path(path) / "config.json").is_file():  # (a bare folder of weights)
+        return False
     return hasattr(read_model_config(path), "text_model_of")
 
 

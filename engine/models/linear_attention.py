@@ -64,11 +64,13 @@ class GatedDeltaNet(nn.Module):
         self.spec, self.eps = spec, eps
         self.dims = GDNDims(spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim,
                             spec.conv_kernel)  # fmt: skip
-        tensor_kw = {"dtype": kw["dtype"], "device": kw["device"]}
         in_rows = spec.conv_dim + spec.value_dim + 2 * spec.num_v_heads
         self.in_proj = Linear(hidden_size, in_rows, False, **kw)
         self.out_proj = Linear(spec.value_dim, hidden_size, False, **kw)
-        empty = lambda *shape: nn.Parameter(torch.empty(shape, **tensor_kw), requires_grad=False)  # noqa: E731
+        dtype, device = kw["dtype"], kw["device"]
+        empty = lambda *shape: nn.Parameter(  # noqa: E731
+            torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+        )
         self.conv_weight = empty(spec.conv_dim, 1, spec.conv_kernel)  # transformers' conv1d's
         self.dt_bias = empty(spec.num_v_heads)
         self.A_log = empty(spec.num_v_heads)

@@ -14,7 +14,6 @@ from engine.models.gated_delta_net import (
     GDNDims,
     decode_torch,
     gdn_decode,
-    gdn_decode_steps,
     gdn_prefill,
 )
 
@@ -204,32 +203,6 @@ def test_prefill_then_decode_matches_transformers(device) -> None:
         close(out[0], expected)
     close(conv_states[1], conv)
     close(states[1], state)
-
-
-@pytest.mark.device
-def test_decode_steps_verify_several_tokens_and_save_each_state(device) -> None:
-    """Two requests verify 3 and 1 tokens; the states after rows 0, 1 and 3 go to spare
-    slots 5, 4 and 3; each request's own slot ends after its last token."""
-    counts, slots, saves = [3, 1], [2, 0], [5, 4, -1, 3]
-    x, weight = inputs(4, seed=29, device=device), weights(30, device)
-    conv_states, states = initial_states(31, device, slots=6)
-    conv_before, states_before = conv_states.clone(), states.clone()
-    out = gdn_decode_steps(**x, conv_weight=weight, conv_states=conv_states, states=states,
-                           slots=torch.tensor(slots, device=device),
-                           num_steps_per_request=counts, save_slots=saves, dims=DIMS)  # fmt: skip
-    rows = {0: [0, 1, 2], 1: [3]}
-    for b, slot in enumerate(slots):
-        conv, state = conv_before[slot].clone(), states_before[slot]
-        for row in rows[b]:
-            step = {name: value[row] for name, value in x.items()}
-            expected, state = hf_step(step, weight, conv, state)
-            close(out[row], expected)
-            if saves[row] >= 0:
-                close(conv_states[saves[row]], conv)
-                close(states[saves[row]], state)
-        close(conv_states[slot], conv)
-        close(states[slot], state)
-    assert torch.equal(states[1], states_before[1])
 
 
 @pytest.mark.device
