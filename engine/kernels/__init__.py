@@ -23,7 +23,8 @@ machine then builds, plans and serves the AVX2 path, so one machine tests both.
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 
 * ``ggml_dequantize``, ``ggml_linear``: GGUF weights served from their own blocks
-  (`csrc/ggml_quants.cpp`), also a `DecodeStack` projection
+  (`csrc/ggml_quants.cpp`; IQ4_NL/IQ4_XS in `csrc/ggml_iq4.cpp`, Q2_K/Q3_K in
+  `csrc/ggml_q23_k.cpp`), also a `DecodeStack` projection
 
 `ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU with AVX2 but
 not AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and
@@ -60,6 +61,8 @@ AVX2_SOURCES = (
     "paged_decode_f32.cpp",
     "decode_stack.cpp",
     "ggml_quants.cpp",
+    "ggml_iq4.cpp",
+    "ggml_q23_k.cpp",
 )
 # The AVX512-BF16 build adds the bf16 and int8/int4 kernels.
 SOURCES = (

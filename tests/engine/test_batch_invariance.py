@@ -253,8 +253,8 @@ def test_deterministic_refuses_a_path_that_cannot_keep_it(fields, why):
 
 def test_deterministic_refuses_a_gguf_projection_dequantized_to_float(tmp_path):
     # A format the kernels do not multiply is dequantized and served by torch's matmul.
-    path = write_mixed_gguf(tmp_path / "mixed.gguf")  # its last layer's down projection: Q2_K
-    with pytest.raises(ValueError, match="--deterministic: .*Q2_K.*torch's matmul"):
+    path = write_mixed_gguf(tmp_path / "mixed.gguf")  # its last layer's down projection: IQ1_S
+    with pytest.raises(ValueError, match="--deterministic: .*IQ1_S.*torch's matmul"):
         LLM(str(path), deterministic=True)
 
 
