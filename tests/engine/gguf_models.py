@@ -53,7 +53,7 @@ MIXED_LAYERS = (
     {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q4_1,
      "ffn_gate": T.Q5_0, "ffn_up": T.Q4_0, "ffn_down": T.Q5_K},
     {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q4_1,
-     "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q2_K},
+     "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": UNSERVED},
 )  # fmt: skip
 # The (tied) embedding re-quantized to Q4_0: a head of 49,152 rows, which its kernel regroups.
 MIXED_EMBEDDING = T.Q4_0
