@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.gguf_weights import GGUFTensor
+from engine.gguf_weights import HALF_TYPES, GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.quantization.base import check_shape, register, weight_rows
 from engine.quantization.dense import DenseMethod
@@ -56,6 +56,10 @@ class GGUFMethod(DenseMethod):
         self.ggml: tuple[list[torch.Tensor], list[int]] | None = None
         self.parts: list[tuple[str, int]] = []
         self.max_rows = GGML_DOT_MAX_ROWS  # bf16 rows through `ggml_linear`
+        # every part F16/BF16 (a float file's): float32 calls of more than `max_rows` rows too
+        # take the weight made float for the call and torch's GEMM (the float kernel is a
+        # pass over memory at decode, but FMA-bound far under torch's GEMM at prefill)
+        self.half_parts = False
 
     def load(
         self, weight: nn.Parameter, tensor: torch.Tensor | GGUFTensor, rows: tuple[int, int] | None
@@ -90,6 +94,7 @@ class GGUFMethod(DenseMethod):
                 part.release()
         if all(regrouped) and all(p.type.name in INT8_AT_ANY_SIZE for p in parts):
             self.max_rows = ANY_ROWS
+        self.half_parts = all(p.type in HALF_TYPES for p in parts)
         self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
         self.parts = [(p.type.name, p.shape[0]) for p in parts]
         self.blocks.clear()
@@ -99,7 +104,7 @@ class GGUFMethod(DenseMethod):
     ) -> torch.Tensor:
         if self.ggml is None:
             return super().forward(x, weight, bias)
-        if x.dtype == torch.bfloat16 and x.shape[0] > self.max_rows:
+        if x.shape[0] > self.max_rows and (x.dtype == torch.bfloat16 or self.half_parts):
             return F.linear(x, self.dense_weight(x.dtype), bias)
         y = ggml_kernels().ggml_linear(x, *self.ggml)
         return y if bias is None else y + bias

@@ -21,7 +21,7 @@ from engine.loader import default_gguf_path
 # any byte of which is valid): d, and dmin for the types that have one.
 _F16_SCALES = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
                T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_S: (0,)}  # fmt: skip
+               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_S: (0,), T.F16: (0,)}  # fmt: skip
 # A type no kernel multiplies (served dequantized to the dtype): the mixed file's one such
 # projection. (IQ1_S: any bytes after its f16 d are valid, as for the types above.)
 UNSERVED = T.IQ1_S
@@ -34,6 +34,9 @@ def random_blocks(
 ) -> np.ndarray:
     """uint8 ``[rows, bytes per row]``: random quants and 6-bit scales, f16 scales drawn in
     ``[-scale, scale]`` (random bytes there could be inf or NaN)."""
+    if qtype == T.BF16:  # the top halves of float32 values in [-scale, scale]
+        dense = rng.uniform(-scale, scale, size=(rows, cols)).astype(np.float32)
+        return (dense.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     values, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
     for offset in _F16_SCALES[qtype]:

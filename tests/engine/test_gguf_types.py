@@ -1,9 +1,10 @@
 """The GGUF types that low-memory files hold (issue 67), served from their own blocks as the
 other formats are (tests/engine/test_gguf.py): IQ4_NL and IQ4_XS (a 16-level int8 table),
-Q3_K and Q2_K. Each decodes bit for bit as the `gguf` package's reference does, multiplies
-within int8-activation rounding of its dequantized weights at decode and prefill sizes (in
-the file's layout and regrouped by 8 rows), and a GGUF holding it loads with the start-up
-line naming it, not `dequantized`."""
+Q3_K and Q2_K; and F16 and BF16 weights, kept in their 16 bits. Each decodes bit for bit as
+the `gguf` package's reference does, multiplies within int8-activation rounding (float
+rounding for F16 and BF16) of its dequantized weights at decode and prefill sizes (in the
+file's layout and regrouped by 8 rows), and a GGUF holding it loads with the start-up line
+naming it, not `dequantized`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from tests.engine.gguf_models import random_blocks, write_layers_gguf
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
 TYPES = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
 REGROUPED = (T.IQ4_NL, T.IQ4_XS)  # regrouped by 8 rows at load; Q3_K and Q2_K read as they are
+
+
+HALF = (T.F16, T.BF16)  # multiplied on float32 activations
 
 
 def _cols(qtype: T) -> int:
@@ -104,13 +108,34 @@ def test_the_largest_sums_do_not_overflow(qtype, int8_value):
         assert _relative_error(y, reference) < 1e-5, (qtype.name, wtype)
 
 
+@pytest.mark.parametrize("qtype", HALF, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_half_weights_decode_exactly_and_multiply_in_float(qtype, dtype):
+    assert qtype in NATIVE_TYPES
+    blocks = torch.from_numpy(random_blocks(qtype, 44, 736, np.random.default_rng(3)))
+    kernels = ggml_kernels()
+    dense = kernels.ggml_dequantize(blocks, int(qtype), 736)
+    reference = quants.dequantize(blocks.numpy(), qtype)
+    np.testing.assert_array_equal(_bits(dense), reference.view(np.uint32))
+    assert kernels.ggml_repack(blocks, int(qtype), 736)[1] == int(qtype)  # kept as it is
+    for m in (1, 7, 64):
+        x = torch.randn(m, 736, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = kernels.ggml_linear(x, [blocks], [int(qtype)])
+        assert y.dtype == dtype and y.shape == (m, 44)
+        # float32 sums (bf16: the result rounded to bf16 once)
+        tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+        assert _relative_error(y, x.float() @ dense.T) < tolerance, (qtype.name, m)
+
+
 # Layer 0 mixes the new types where SmolLM2's shapes allow (576 columns: IQ4_NL only; the down
-# projection's 1536: the 256-value types); layers 1-2 put the other 256-value types there.
+# projection's 1536: the 256-value types); layers 1-2 put the other 256-value types there,
+# and F16 and BF16 weights beside them (in fused projections with other types, and alone).
 LAYERS = (
     {"attn_q": T.IQ4_NL, "attn_k": T.IQ4_NL, "attn_v": T.IQ4_NL, "attn_output": T.IQ4_NL,
      "ffn_gate": T.IQ4_NL, "ffn_up": T.IQ4_NL, "ffn_down": T.IQ4_XS},
     {"attn_q": T.Q4_0, "ffn_down": T.Q3_K},
-    {"attn_q": T.Q4_0, "ffn_down": T.Q2_K},
+    {"attn_q": T.Q4_0, "attn_k": T.F16, "attn_v": T.BF16, "ffn_gate": T.F16, "ffn_up": T.F16,
+     "ffn_down": T.Q2_K},
 )  # fmt: skip
 
 
@@ -118,9 +143,13 @@ def test_a_gguf_of_these_types_serves_from_its_blocks(tmp_path):
     path = write_layers_gguf(tmp_path / "types.gguf", LAYERS, embedding=T.IQ4_NL)
     native = LLM(model=str(path), cache_dir=str(tmp_path), num_blocks=32)
     summary = native.engine.core.compute_summary
-    for name in ("IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"):
+    for name in ("IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16", "BF16"):
         assert f"{name} x" in summary, (name, summary)
     assert "dequantized" not in summary and "embedding IQ4_NL" in summary, summary
+    # The 16-bit weights stay the file's 2 bytes a weight (a float32 copy would be 4).
+    gate_up = native.engine.core.model.layers[2].mlp.gate_up_proj.method
+    assert [p.dtype for p in gate_up.ggml[0]] == [torch.uint8] * 2 and gate_up.half_parts
+    assert sum(p.numel() for p in gate_up.ggml[0]) == 2 * gate_up.in_features * gate_up.out_features
 
     exact = LLM(model=str(path), cache_dir=str(tmp_path), num_blocks=32, dtype="float32")
     ids = native.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)

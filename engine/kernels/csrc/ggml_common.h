@@ -1,6 +1,6 @@
 // What the GGUF block kernels share across their files (ggml_quants.cpp: the legacy types,
 // Q4_K, Q5_K, Q6_K and the entry points; ggml_iq4.cpp: IQ4_NL and IQ4_XS; ggml_q23_k.cpp:
-// Q2_K and Q3_K): the type ids, the int8 activation blocks, the integer-dot helpers of both
+// Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8 activation blocks, the integer-dot helpers of both
 // builds (AVX2, and AVX512-VNNI where compiled for), and the per-row kernel loop.
 #pragma once
 
@@ -18,7 +18,7 @@ namespace pagedserve_ggml {
 // ggml_type ids (ggml.h), which GGUF stores per tensor; a regrouped layout's id is 1000 + its
 // file type's (not ggml types: ids of our own, see ggml_quants.cpp's Q4_0x8).
 enum GgmlType : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+  F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
   Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
 };  // clang-format: keep
 constexpr int64_t kRegrouped = 1000;
@@ -230,6 +230,7 @@ constexpr int kTile = 4;              // activation rows per pass over a weight 
 struct Activations {
   std::vector<XBlock> x32;
   std::vector<XBlockK> x256;
+  std::vector<float> xf;  // x as float32, for F16 and BF16 weights (ggml_f16.cpp)
 };
 
 template <typename B, typename Out>
@@ -263,6 +264,13 @@ void iq4_repack(int64_t type, const uint8_t* src, int64_t stride, int64_t blocks
 void iq4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
               float* y, int64_t ldy);
 void iq4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
+              at::BFloat16* y, int64_t ldy);
+
+// ggml_f16.cpp: F16 and BF16 weights (32-value "blocks" of 64 bytes), on float32 activations
+void f16_dequantize_block(int64_t type, const uint8_t* b, float* y);
+void f16_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
+              float* y, int64_t ldy);
+void f16_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
               at::BFloat16* y, int64_t ldy);
 
 // ggml_q23_k.cpp: Q2_K and Q3_K (16 sub-blocks of 16, 256 activations a block)

@@ -98,6 +98,8 @@ Format format_of(int64_t type) {
     case Q6_K: return {256, 210};
     case Q2_K: return {256, 84};
     case Q3_K: return {256, 110};
+    case F16:
+    case BF16: return {32, 64};  // no blocks: 32-value runs, so K's checks hold
     case IQ4_NL: return {32, 18};
     case IQ4_XS: return {256, 136};
     case IQ4_NLx8: return {32, 18 * kGroupRows};
@@ -166,6 +168,8 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
     case IQ4_XS: return iq4_dequantize_block(type, b, y);
     case Q2_K:
     case Q3_K: return q23_k_dequantize_block(type, b, y);
+    case F16:
+    case BF16: return f16_dequantize_block(type, b, y);
     case Q4_0: {
       const float d = fp16(b);
       for (int l = 0; l < 16; ++l) {
@@ -1107,6 +1111,8 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     case IQ4_XSx8: return iq4_rows(s, n0, n1, a, M, K, y, ldy);
     case Q2_K:
     case Q3_K: return q23_k_rows(s, n0, n1, a, M, K, y, ldy);
+    case F16:
+    case BF16: return f16_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
     case Q4_1: return segment_rows<BlockQ4_1>(s, n0, n1, a, M, K, y, ldy);
     case Q5_0: return segment_rows<BlockQ5<false>>(s, n0, n1, a, M, K, y, ldy);
@@ -1119,16 +1125,19 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
 }
 
 template <typename T>
-Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256) {
+Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256, bool xf) {
   const int64_t M = x.size(0), K = x.size(1);
   Activations a;
   if (x32) a.x32.resize(M * (K / QK));
   if (x256) a.x256.resize(M * (K / QKK));
+  if (xf) a.xf.resize(M * K);
   const T* data = x.data_ptr<T>();
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (x32) quantize_row(data + m * K, K, a.x32.data() + m * (K / QK));
       if (x256) quantize_row(data + m * K, K, a.x256.data() + m * (K / QKK));
+      if (xf)
+        for (int64_t k = 0; k < K; ++k) a.xf[m * K + k] = load_value(data + m * K, k);
     }
   });
   return a;
@@ -1171,7 +1180,8 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
   return y;
 }
 
-// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype.
+// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype (x
+// quantized to int8 for the block formats, as float32 for F16 and BF16 weights).
 torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
                           std::vector<int64_t> types) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
@@ -1190,9 +1200,11 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
   bool x32 = false, x256 = false;
-  for (const Segment& seg : segs) (k_activations(seg.type) ? x256 : x32) = true;
-  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256)
-                              : quantize_activations<float>(x, x32, x256);
+  bool xf = false;
+  for (const Segment& seg : segs)
+    (seg.type == F16 || seg.type == BF16 ? xf : k_activations(seg.type) ? x256 : x32) = true;
+  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256, xf)
+                              : quantize_activations<float>(x, x32, x256, xf);
   torch::Tensor y = torch::empty({M, cols}, x.options());
   // Tasks: runs of kRowsPerTask weight rows, over all segments, split between threads.
   std::vector<std::pair<int, int64_t>> tasks;
