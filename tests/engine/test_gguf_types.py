@@ -22,7 +22,7 @@ from tests.engine.gguf_models import random_blocks, write_layers_gguf
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
 TYPES = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
-REGROUPED = (T.IQ4_NL, T.IQ4_XS)  # regrouped by 8 rows at load; Q3_K and Q2_K read as they are
+REGROUPED = TYPES  # each regrouped by 8 rows at load (a multiple of 8 rows)
 
 
 HALF = (T.F16, T.BF16)  # multiplied on float32 activations

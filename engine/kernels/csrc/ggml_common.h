@@ -27,6 +27,9 @@ constexpr int64_t kRegrouped = 1000;
 constexpr int64_t IQ4_NLx8 = kRegrouped + IQ4_NL;
 constexpr int64_t IQ4_XSx8 = kRegrouped + IQ4_XS;
 constexpr int64_t kIQ4XSColumn = 1104;
+// Q2_K and Q3_K regrouped (see ggml_q23_k.cpp): 672 and 912 bytes a super-block column.
+constexpr int64_t Q2_Kx8 = kRegrouped + Q2_K;
+constexpr int64_t Q3_Kx8 = kRegrouped + Q3_K;
 
 constexpr int64_t kGroupRows = 8;
 
@@ -275,6 +278,10 @@ void f16_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, in
 
 // ggml_q23_k.cpp: Q2_K and Q3_K (16 sub-blocks of 16, 256 activations a block)
 void q23_k_dequantize_block(int64_t type, const uint8_t* b, float* y);
+void q23_k_dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
+                                float* y);
+void q23_k_repack(int64_t type, const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group,
+                  int64_t g);
 void q23_k_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, float* y, int64_t ldy);
 void q23_k_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,

@@ -11,7 +11,7 @@
 // integer dot times its integer scale summed over the super-block, one float multiply at
 // its end; Q2_K's mins and Q3_K's -4 offset applied through the activations' sums of 16.
 // The values are unsigned (0-3, 0-7) and small, so maddubs's int16 pairs never saturate.
-// Rows in the file's layout (rows_dot, ggml_common.h).
+// Rows in the file's layout (rows_dot, ggml_common.h), or regrouped by 8 rows at load (below).
 #include <ATen/Parallel.h>
 
 #include "ggml_common.h"
@@ -33,6 +33,21 @@ inline void unpack_scales_q3(const uint8_t* p, int8_t* out) {
   for (int i = 0; i < 16; ++i) out[i] = (int8_t)(u[i] - 32);
 }
 
+// The same 16 scales less 32 in one vector, without the scalar round trip (whose 16-byte
+// reload of four 4-byte stores cannot be forwarded: a stall per super-block and row). Scale
+// i's low 4 bits: byte i's low nibble (i < 8), byte i - 8's high one; its high 2 bits: bits
+// 2 (i / 4) of byte 8 + i % 4, which one variable shift per 32-bit lane brings down.
+inline __m128i scales_q3(const uint8_t* p) {
+  uint32_t high;
+  std::memcpy(&high, p + 8, 4);
+  const __m128i low8 = _mm_loadl_epi64((const __m128i*)p), nib = _mm_set1_epi8(0xF);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(low8, nib),
+                                         _mm_and_si128(_mm_srli_epi16(low8, 4), nib));
+  const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)high), _mm_setr_epi32(0, 2, 4, 6)),
+                                   _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+}
+
 void dequantize_q2_k(const uint8_t* b, float* y) {
   const float d = fp16(b + 80), dmin = fp16(b + 82);
   for (int v = 0; v < 256; ++v) {
@@ -43,15 +58,19 @@ void dequantize_q2_k(const uint8_t* b, float* y) {
   }
 }
 
+// From its parts: d, the 16 scales less 32, hmask (32 bytes) and qs (64).
+void dequantize_q3_parts(float d, const int8_t* sc, const uint8_t* hm, const uint8_t* qs, float* y) {
+  for (int v = 0; v < 256; ++v) {
+    const int n = v / 128, j = v % 128 / 32, l = v % 32;
+    const int q = ((qs[32 * n + l] >> (2 * j)) & 3) - (((hm[l] >> (4 * n + j)) & 1) ? 0 : 4);
+    y[v] = (d * (float)sc[v / 16]) * (float)q;
+  }
+}
+
 void dequantize_q3_k(const uint8_t* b, float* y) {
   int8_t sc[16];
   unpack_scales_q3(b + 96, sc);
-  const float d = fp16(b + 108);
-  for (int v = 0; v < 256; ++v) {
-    const int n = v / 128, j = v % 128 / 32, l = v % 32;
-    const int q = ((b[32 + 32 * n + l] >> (2 * j)) & 3) - (((b[l] >> (4 * n + j)) & 1) ? 0 : 4);
-    y[v] = (d * (float)sc[v / 16]) * (float)q;
-  }
+  dequantize_q3_parts(fp16(b + 108), sc, b, b + 32, y);
 }
 
 // The 16 scales as int16, in both 128-bit lanes per half: half h's 8 (sub-blocks 8 h..8 h + 7).
@@ -103,9 +122,7 @@ struct BlockQ3_K {
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128*) {
     const float d = fp16(w + 108);
-    alignas(16) int8_t sc[16];
-    unpack_scales_q3(w + 96, sc);
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)sc));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(scales_q3(w + 96));
     const HalfScales scales(sc16);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i hm = load32(w);
@@ -131,13 +148,152 @@ struct BlockQ3_K {
   }
 };
 
+// ---------------------------------------------------------------- regrouped by 8 rows
+//
+// As ggml_quants.cpp's Q4_Kx8, per super-block column of an 8-row group:
+// * Q2_Kx8 (672 bytes, the file's 8 x 84): the rows' f16 d (16 bytes) and dmin (16), their
+//   scale bytes as the file has them (sub-block s of row r at 32 + 8 s + r), then their 64
+//   quant bytes interleaved 4 at a time (bytes 4t..4t+3 of row r at 160 + 32 t + 4 r).
+// * Q3_Kx8 (912 bytes, the file's 880): f16 d (16), the scales unpacked to int8 less 32 (at
+//   16 + 8 s + r), the quant bytes as Q2_Kx8's at 144, then hmask likewise at 656.
+// One integer dot sums 4 values of each of 8 rows (a row per lane); per sub-block an int32
+// multiply by the rows' scales, per super-block two float multiply-adds for 8 rows.
+template <bool Q3>
+struct Column {
+  static constexpr int64_t bytes = Q3 ? 912 : 672, scales = Q3 ? 16 : 32, quants = Q3 ? 144 : 160;
+  static constexpr int64_t hmask = 656;
+};
+
+// Sub-block s's scales of the 8 rows, int32 a lane (Q2_K's low nibbles; Q3_K's int8).
+template <bool Q3>
+inline __m256i sub_scales(const uint8_t* c, int s) {
+  const __m128i b = _mm_loadl_epi64((const __m128i*)(c + Column<Q3>::scales + 8 * s));
+  return Q3 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF)));
+}
+// Sub-blocks 2p and 2p + 1's scales (Q3) or mins (Q2) of the 8 rows as int16 pairs, for one
+// madd against the activations' sums of those two sub-blocks.
+template <bool Q3>
+inline __m256i pair_terms(const uint8_t* c, int p) {
+  const uint8_t* at = c + Column<Q3>::scales + 16 * p;
+  const __m128i pair = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)at),
+                                         _mm_loadl_epi64((const __m128i*)(at + 8)));
+  return Q3 ? _mm256_cvtepi8_epi16(pair) : _mm256_srli_epi16(_mm256_cvtepu8_epi16(pair), 4);
+}
+inline __m256i pair_sums(const XBlockK* xb, int p) {  // bsums 2p, 2p + 1 in every lane
+  int32_t v;
+  std::memcpy(&v, xb->bsums + 2 * p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <bool Q3, int MT, typename Out>
+void groups_dot_q23(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                    const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  using C = Column<Q3>;
+  const int64_t blocks = K / QKK;
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    const uint8_t* group = w + (n / kGroupRows) * group_bytes;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* c = group + b * C::bytes;
+      for (int64_t k = 0; k < C::bytes; k += 64)
+        _mm_prefetch((const char*)(c + 2 * C::bytes + k), _MM_HINT_T0);
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      if (Q3 && !kVNNI) {  // the -4 offset: 4 * sum over sub-blocks of scale * (sum of its x)
+        __m256i pairs[8];
+        for (int p = 0; p < 8; ++p) pairs[p] = pair_terms<true>(c, p);
+        for (int m = 0; m < MT; ++m) {
+          __m256i offset = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p)
+            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[p], pair_sums(x + m * xstride + b, p)));
+          isum[m] = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 2));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int th = 0; th < 2; ++th) {  // sub-blocks 8 h + 2 g + th, g = 0..3
+          __m256i sum[4][MT];  // VNNI: int32; AVX2: int16 pair sums (4 lanes of 0-7 values fit)
+          for (int g = 0; g < 4; ++g)
+            for (int m = 0; m < MT; ++m)
+              sum[g][m] = Q3 && kVNNI ? _mm256_set1_epi32(-4 * x[m * xstride + b].bsums[8 * h + 2 * g + th])
+                                      : _mm256_setzero_si256();
+          for (int tt = 0; tt < 4; ++tt) {
+            const int l4 = 4 * th + tt;  // lane of hmask; the quant lane is 8 h + l4
+            const __m256i v = load32(c + C::quants + 32 * (8 * h + l4));
+            __m256i hv = _mm256_setzero_si256();
+            if (Q3) hv = load32(c + C::hmask + 32 * l4);
+            for (int g = 0; g < 4; ++g) {
+              __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 2 * g), three);
+              if (Q3) {
+                const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hv, 4 * h + g), one);
+                u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 2));
+              }
+              for (int m = 0; m < MT; ++m) {
+                const __m256i xq = broadcast4(x[m * xstride + b].q + 128 * h + 32 * g + 4 * l4);
+                sum[g][m] = kVNNI ? dot4_add(sum[g][m], u, xq) : dot4_16_add(sum[g][m], u, xq);
+              }
+            }
+          }
+          for (int g = 0; g < 4; ++g) {
+            const __m256i sc = sub_scales<Q3>(c, 8 * h + 2 * g + th);
+            if (kVNNI) {
+              for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(sum[g][m], sc));
+            } else {
+              const __m256i sc2 = both_halves(sc);
+              for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sum[g][m], sc2));
+            }
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c));
+      if (Q3) {
+        for (int m = 0; m < MT; ++m)
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(x[m * xstride + b].d)), acc[m]);
+      } else {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c + 16)));
+        __m256i mins[8];
+        for (int p = 0; p < 8; ++p) mins[p] = pair_terms<false>(c, p);
+        for (int m = 0; m < MT; ++m) {
+          const XBlockK* xb = x + m * xstride + b;
+          __m256i msum = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], pair_sums(xb, p)));
+          const __m256 xd = _mm256_set1_ps(xb->d);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, xd), acc[m]);
+          acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, xd), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) store8(y + m * ldy + n, acc[m]);
+  }
+}
+
+template <bool Q3, typename Out>
+void groups_q23(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                int64_t K, Out* y, int64_t ldy) {
+  const int64_t xstride = K / QKK;
+  for (int64_t m = 0; m < M; m += kTile) {
+    const XBlockK* x = a.x256.data() + m * xstride;
+    Out* o = y + s.col0 + m * ldy;
+    switch (std::min<int64_t>(kTile, M - m)) {
+      case 1: groups_dot_q23<Q3, 1>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      case 2: groups_dot_q23<Q3, 2>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      case 3: groups_dot_q23<Q3, 3>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+      default: groups_dot_q23<Q3, 4>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
+    }
+  }
+}
+
 template <typename Out>
 void rows_any(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
               int64_t K, Out* y, int64_t ldy) {
-  if (s.type == Q2_K)
-    segment_rows<BlockQ2_K>(s, n0, n1, a, M, K, y, ldy);
-  else
-    segment_rows<BlockQ3_K>(s, n0, n1, a, M, K, y, ldy);
+  switch (s.type) {
+    case Q2_K: return segment_rows<BlockQ2_K>(s, n0, n1, a, M, K, y, ldy);
+    case Q3_K: return segment_rows<BlockQ3_K>(s, n0, n1, a, M, K, y, ldy);
+    case Q2_Kx8: return groups_q23<false>(s, n0, n1, a, M, K, y, ldy);
+    default: return groups_q23<true>(s, n0, n1, a, M, K, y, ldy);
+  }
 }
 
 }  // namespace
@@ -147,6 +303,55 @@ void q23_k_dequantize_block(int64_t type, const uint8_t* b, float* y) {
     dequantize_q2_k(b, y);
   else
     dequantize_q3_k(b, y);
+}
+
+void q23_k_dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
+                                float* y) {
+  const bool q3 = type == Q3_Kx8;
+  const int64_t column = q3 ? Column<true>::bytes : Column<false>::bytes;
+  uint8_t block[84], hm[32], qs[64];
+  int8_t sc[16];
+  for (int64_t b = 0; b < cols / QKK; ++b) {
+    const uint8_t* c = group + b * column;
+    const int64_t quants = q3 ? Column<true>::quants : Column<false>::quants;
+    for (int t = 0; t < 16; ++t) std::memcpy(qs + 4 * t, c + quants + 32 * t + 4 * r, 4);
+    if (q3) {
+      for (int t = 0; t < 8; ++t) std::memcpy(hm + 4 * t, c + Column<true>::hmask + 32 * t + 4 * r, 4);
+      for (int s = 0; s < 16; ++s) sc[s] = (int8_t)c[16 + 8 * s + r];
+      dequantize_q3_parts(fp16(c + 2 * r), sc, hm, qs, y + b * QKK);
+    } else {
+      for (int s = 0; s < 16; ++s) block[s] = c[32 + 8 * s + r];
+      std::memcpy(block + 16, qs, 64);
+      std::memcpy(block + 80, c + 2 * r, 2);
+      std::memcpy(block + 82, c + 16 + 2 * r, 2);
+      dequantize_q2_k(block, y + b * QKK);
+    }
+  }
+}
+
+void q23_k_repack(int64_t type, const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group,
+                  int64_t g) {
+  const bool q3 = type == Q3_K;
+  const int64_t column = q3 ? Column<true>::bytes : Column<false>::bytes, bytes = q3 ? 110 : 84;
+  int8_t sc[16];
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* c = group + b * column;
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = src + (g * kGroupRows + r) * stride + b * bytes;
+      if (q3) {
+        std::memcpy(c + 2 * r, block + 108, 2);
+        unpack_scales_q3(block + 96, sc);
+        for (int s = 0; s < 16; ++s) c[16 + 8 * s + r] = (uint8_t)sc[s];
+        for (int t = 0; t < 16; ++t) std::memcpy(c + 144 + 32 * t + 4 * r, block + 32 + 4 * t, 4);
+        for (int t = 0; t < 8; ++t) std::memcpy(c + 656 + 32 * t + 4 * r, block + 4 * t, 4);
+      } else {
+        std::memcpy(c + 2 * r, block + 80, 2);
+        std::memcpy(c + 16 + 2 * r, block + 82, 2);
+        for (int s = 0; s < 16; ++s) c[32 + 8 * s + r] = block[s];
+        for (int t = 0; t < 16; ++t) std::memcpy(c + 160 + 32 * t + 4 * r, block + 16 + 4 * t, 4);
+      }
+    }
+  }
 }
 
 void q23_k_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,

@@ -104,6 +104,8 @@ Format format_of(int64_t type) {
     case IQ4_XS: return {256, 136};
     case IQ4_NLx8: return {32, 18 * kGroupRows};
     case IQ4_XSx8: return {256, kIQ4XSColumn};
+    case Q2_Kx8: return {256, 672};
+    case Q3_Kx8: return {256, 912};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
     case Q8_0x8: return {32, 34 * kGroupRows};
     case Q5_0x8: return {32, 22 * kGroupRows};
@@ -117,7 +119,8 @@ Format format_of(int64_t type) {
 
 inline bool grouped(int64_t type) {
   return type == Q4_0x8 || type == Q4_1x8 || type == Q5_0x8 || type == Q5_1x8 ||
-         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8 || type == IQ4_NLx8 || type == IQ4_XSx8;
+         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8 || type == IQ4_NLx8 || type == IQ4_XSx8 || type == Q2_Kx8 ||
+         type == Q3_Kx8;
 }
 
 // Whether a type's products take the 256-value activation blocks (the K-quants'), not the
@@ -254,6 +257,7 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
 void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
                           float* y) {
   if (type == IQ4_NLx8 || type == IQ4_XSx8) return iq4_dequantize_group_row(type, group, r, cols, y);
+  if (type == Q2_Kx8 || type == Q3_Kx8) return q23_k_dequantize_group_row(type, group, r, cols, y);
   if (type == Q8_0x8) {
     uint8_t block[34];
     for (int64_t b = 0; b < cols / QK; ++b) {
@@ -1110,7 +1114,9 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     case IQ4_NLx8:
     case IQ4_XSx8: return iq4_rows(s, n0, n1, a, M, K, y, ldy);
     case Q2_K:
-    case Q3_K: return q23_k_rows(s, n0, n1, a, M, K, y, ldy);
+    case Q3_K:
+    case Q2_Kx8:
+    case Q3_Kx8: return q23_k_rows(s, n0, n1, a, M, K, y, ldy);
     case F16:
     case BF16: return f16_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
@@ -1309,7 +1315,7 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   check_blocks(w, type, cols);
   const bool regroups = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
                         type == Q8_0 || type == Q4_K || type == Q6_K || type == IQ4_NL ||
-                        type == IQ4_XS;
+                        type == IQ4_XS || type == Q2_K || type == Q3_K;
   if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
@@ -1322,6 +1328,10 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
     for (int64_t g = g0; g < g1; ++g) {
       if (type == IQ4_NL || type == IQ4_XS) {
         iq4_repack(type, src, stride, blocks, dst + g * group_bytes, g);
+        continue;
+      }
+      if (type == Q2_K || type == Q3_K) {
+        q23_k_repack(type, src, stride, blocks, dst + g * group_bytes, g);
         continue;
       }
       (type == Q4_0   ? repack_legacy<Legacy::Q4>
