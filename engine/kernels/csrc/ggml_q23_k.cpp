@@ -269,11 +269,112 @@ void groups_dot_q23(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Two groups side by side in 512 bits (4+ activation rows), a sub-block at a time (as
+// pairs_dot_q6_k: its quant lanes read once per sub-block, so 8 rows' sums fit in registers).
+// The same integer sums and float operations per row as groups_dot_q23's VNNI path.
+template <bool Q3>
+inline __m512i sub_scales_pair(const uint8_t* c0, const uint8_t* c1, int s) {
+  const int64_t at = Column<Q3>::scales + 8 * s;
+  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)(c0 + at)),
+                                       _mm_loadl_epi64((const __m128i*)(c1 + at)));
+  return Q3 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0xF)));
+}
+
+template <bool Q3, int MT, typename Out>
+void pairs_dot_q23(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
+                   const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  using C = Column<Q3>;
+  const int64_t blocks = K / QKK;
+  const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+  int64_t n = n0;
+  for (; n + 2 * kGroupRows <= n1; n += 2 * kGroupRows) {
+    const uint8_t* g0 = w + (n / kGroupRows) * group_bytes;
+    const uint8_t* g1 = g0 + group_bytes;
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* c0 = g0 + b * C::bytes;
+      const uint8_t* c1 = g1 + b * C::bytes;
+      prefetch_pair(c0, c1, C::bytes);
+      __m512i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+      for (int s = 0; s < 16; ++s) {  // sub-block s = 8 h + 2 g + th
+        const int h = s / 8, g = s % 8 / 2, th = s % 2;
+        __m512i sum[MT];
+        for (int m = 0; m < MT; ++m)
+          sum[m] = Q3 ? _mm512_set1_epi32(-4 * x[m * xstride + b].bsums[s]) : _mm512_setzero_si512();
+        for (int tt = 0; tt < 4; ++tt) {
+          const int l4 = 4 * th + tt;
+          const int64_t q = C::quants + 32 * (8 * h + l4);
+          __m512i u = _mm512_and_si512(_mm512_srli_epi16(load_pair(c0 + q, c1 + q), 2 * g), three);
+          if (Q3) {
+            const int64_t hq = C::hmask + 32 * l4;
+            const __m512i hv = load_pair(c0 + hq, c1 + hq);
+            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, 4 * h + g), one), 2));
+          }
+          for (int m = 0; m < MT; ++m) {
+            int32_t q4;
+            std::memcpy(&q4, x[m * xstride + b].q + 128 * h + 32 * g + 4 * l4, 4);
+            sum[m] = _mm512_dpbusd_epi32(sum[m], u, _mm512_set1_epi32(q4));
+          }
+        }
+        const __m512i sc = sub_scales_pair<Q3>(c0, c1, s);
+        for (int m = 0; m < MT; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(sum[m], sc));
+      }
+      const __m512 d = f16_pair(c0, c1);
+      if (Q3) {
+        for (int m = 0; m < MT; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
+                                   _mm512_mul_ps(d, _mm512_set1_ps(x[m * xstride + b].d)), acc[m]);
+      } else {
+        const __m512 dmin = f16_pair(c0 + 16, c1 + 16);
+        __m512i mins[8];
+        for (int p = 0; p < 8; ++p)
+          mins[p] = _mm512_inserti64x4(_mm512_castsi256_si512(pair_terms<false>(c0, p)),
+                                       pair_terms<false>(c1, p), 1);
+        for (int m = 0; m < MT; ++m) {
+          const XBlockK* xb = x + m * xstride + b;
+          __m512i msum = _mm512_setzero_si512();
+          for (int p = 0; p < 8; ++p) {
+            int32_t v;
+            std::memcpy(&v, xb->bsums + 2 * p, 4);
+            msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(v)));
+          }
+          const __m512 xd = _mm512_set1_ps(xb->d);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, xd), acc[m]);
+          acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, xd), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) store16(y + m * ldy + n, acc[m]);
+  }
+  if (n < n1) groups_dot_q23<Q3, MT>(w, group_bytes, n, n1, x, xstride, K, y, ldy);
+}
+#endif
+
 template <bool Q3, typename Out>
 void groups_q23(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, Out* y, int64_t ldy) {
   const int64_t xstride = K / QKK;
-  for (int64_t m = 0; m < M; m += kTile) {
+  int64_t m = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  for (; M - m >= 4; m += 8) {  // tiles of 4-8 rows by pairs of groups
+    const XBlockK* x = a.x256.data() + m * xstride;
+    Out* o = y + s.col0 + m * ldy;
+#define PAIRS(MT) pairs_dot_q23<Q3, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)
+    switch (std::min<int64_t>(8, M - m)) {
+      case 4: PAIRS(4); break;
+      case 5: PAIRS(5); break;
+      case 6: PAIRS(6); break;
+      case 7: PAIRS(7); break;
+      default: PAIRS(8); break;
+    }
+#undef PAIRS
+  }
+#endif
+  for (; m < M; m += kTile) {
     const XBlockK* x = a.x256.data() + m * xstride;
     Out* o = y + s.col0 + m * ldy;
     switch (std::min<int64_t>(kTile, M - m)) {
