@@ -1,5 +1,8 @@
 // GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
-// and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
+// and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold), and the entry points for every
+// type: the other format families live in their own files (ggml_iq4.cpp: IQ4_NL, IQ4_XS;
+// ggml_q23_k.cpp: Q2_K, Q3_K; ggml_f16.cpp: F16, BF16 weights), with what all share in
+// ggml_common.h.
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8
