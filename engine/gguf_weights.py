@@ -2,10 +2,10 @@
 
 Quantized weights stay in their ggml blocks (`GGUFTensor`): the model keeps them as they
 are where `engine.kernels.ggml_kernels` multiplies that format (`NATIVE_TYPES`), and
-dequantizes them otherwise. 2-D F16/BF16 weights come the same way (their bytes as blocks);
-other float tensors (norms, F32 weights) come as torch tensors. Nothing is copied but llama's q/k rows, which GGUF stores permuted for
-llama.cpp's rotary layout and transformers' layout needs back (as transformers' own GGUF
-loader does).
+dequantizes them otherwise. 2-D F16/BF16 weights come the same way (their bytes as
+blocks); other float tensors (norms, F32 weights) come as torch tensors. Nothing is copied
+but llama's q/k rows, which GGUF stores permuted for llama.cpp's rotary layout and
+transformers' layout needs back (as transformers' own GGUF loader does).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ class GGUFMethod(DenseMethod):
         self.parts: list[tuple[str, int]] = []
         self.max_rows = GGML_DOT_MAX_ROWS  # bf16 rows through `ggml_linear`
         # every part F16/BF16 (a float file's): float32 calls of more than `max_rows` rows too
-        # take the weight made float for the call and torch's GEMM (the float kernel is a
-        # pass over memory at decode, but FMA-bound far under torch's GEMM at prefill)
+        # take the weight made float for the call and torch's GEMM (the float kernel is a pass
+        # over memory at decode; at prefill its tiles of 4 rows are FMA-bound, where torch's
+        # blocked GEMM is not: not yet measured against it)
         self.half_parts = False
 
     def load(

@@ -1,7 +1,8 @@
 // What the GGUF block kernels share across their files (ggml_quants.cpp: the legacy types,
 // Q4_K, Q5_K, Q6_K and the entry points; ggml_iq4.cpp: IQ4_NL and IQ4_XS; ggml_q23_k.cpp:
-// Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8 activation blocks, the integer-dot helpers of both
-// builds (AVX2, and AVX512-VNNI where compiled for), and the per-row kernel loop.
+// Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8 activation blocks, the
+// integer-dot helpers of both builds (AVX2, and AVX512-VNNI where compiled for), and the
+// per-row kernel loop.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,9 +19,9 @@ namespace pagedserve_ggml {
 // ggml_type ids (ggml.h), which GGUF stores per tensor; a regrouped layout's id is 1000 + its
 // file type's (not ggml types: ids of our own, see ggml_quants.cpp's Q4_0x8).
 enum GgmlType : int64_t {
-  F16 = 1, BF16 = 30, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
-};  // clang-format: keep
+  F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
 constexpr int64_t kRegrouped = 1000;
 // IQ4_NL regrouped by 8 rows: Q4_0x8's layout (ggml_quants.cpp), whose block it shares (an f16
 // d and 16 bytes of nibbles); IQ4_XS regrouped (see ggml_iq4.cpp), 1104 bytes a column.
