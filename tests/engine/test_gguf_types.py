@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType as T
 
 from engine import LLM
 from engine.gguf_weights import NATIVE_TYPES
-from engine.kernels import ggml_kernels
+from engine.kernels import cpu_kernels_supported, ggml_kernels
 from engine.perplexity import text_logits
 from tests.engine.gguf_models import random_blocks, write_layers_gguf
+from tests.engine.test_decode_stack import _assert_stack_equals_python_layers
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
 TYPES = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
@@ -139,8 +140,14 @@ LAYERS = (
 )  # fmt: skip
 
 
-def test_a_gguf_of_these_types_serves_from_its_blocks(tmp_path):
-    path = write_layers_gguf(tmp_path / "types.gguf", LAYERS, embedding=T.IQ4_NL)
+@pytest.fixture(scope="module")
+def types_gguf(tmp_path_factory):
+    return write_layers_gguf(tmp_path_factory.mktemp("gguf") / "types.gguf", LAYERS,
+                             embedding=T.IQ4_NL)  # fmt: skip
+
+
+def test_a_gguf_of_these_types_serves_from_its_blocks(types_gguf, tmp_path):
+    path = types_gguf
     native = LLM(model=str(path), cache_dir=str(tmp_path), num_blocks=32)
     summary = native.engine.core.compute_summary
     for name in ("IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16", "BF16"):
@@ -158,3 +165,12 @@ def test_a_gguf_of_these_types_serves_from_its_blocks(tmp_path):
     # int8-activation rounding through 3 layers (the mixed file of test_gguf.py: 1.9%); a
     # wrong level, scale or block place gives errors of order 100%.
     assert _relative_error(got, reference) < 0.03
+
+
+@pytest.mark.skipif(
+    not cpu_kernels_supported(), reason="the decode stack runs the AVX512-BF16 kernels"
+)
+def test_these_types_decode_through_the_stack_as_the_python_layers(types_gguf, tmp_path):
+    llm = LLM(model=str(types_gguf), cache_dir=str(tmp_path), num_blocks=32)
+    assert "decode stack" in llm.engine.core.compute_summary
+    _assert_stack_equals_python_layers(llm, batch=3)
