@@ -52,7 +52,8 @@ PYTEST_WORKERS ?= 2
 # (The bf16 modes' perplexity is left out of it: under the switch bf16 is torch's ops, not
 # an AVX2 kernel, and it is the pass's slowest test.) The pass took 198 s on a 2-core Zen 3.
 AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kernels.py \
-	tests/engine/test_gguf.py tests/engine/test_kv_int8.py tests/engine/test_quality_gate.py \
+	tests/engine/test_gguf.py tests/engine/test_gguf_types.py tests/engine/test_kv_int8.py \
+	tests/engine/test_quality_gate.py \
 	tests/engine/test_engine_golden.py tests/engine/test_linear.py tests/engine/test_cpu_switch.py \
 	tests/engine/test_sliding_window_attention.py tests/engine/test_batch_invariance.py \
 	tests/engine/test_gated_delta_net.py -k "not test_bfloat16_modes"

@@ -2,11 +2,12 @@
 
 Quantized weights stay in their ggml blocks (`GGUFTensor`): the model keeps them as they
 are where `engine.kernels.ggml_kernels` multiplies that format (`NATIVE_TYPES`), and
-dequantizes them otherwise. Float tensors (norms, F16/BF16/F32 weights) come as torch
-tensors. Nothing is copied but what llama.cpp's converter changed and transformers' layout
-needs back: llama's q/k rows, which GGUF stores permuted for llama.cpp's rotary layout (as
-transformers' own GGUF loader undoes them), the norms some families store plus one, and
-Qwen3.5's linear-attention tensors (`_qwen35_tensor`).
+dequantizes them otherwise. 2-D F16/BF16 weights come the same way (their bytes as
+blocks); other float tensors (norms, F32 weights) come as torch tensors. Nothing is copied
+but what llama.cpp's converter changed and transformers' layout needs back: llama's q/k
+rows, which GGUF stores permuted for llama.cpp's rotary layout (as transformers' own GGUF
+loader undoes them), the norms some families store plus one, and Qwen3.5's
+linear-attention tensors (`_qwen35_tensor`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ from engine.kernels import ggml_kernels
 
 QType = GGMLQuantizationType
 _libc = ctypes.CDLL(None, use_errno=True)
-# The block formats `ggml_linear` multiplies: what Q4_0, Q4_1, Q5_K_M, Q4_K_M, Q8_0 files hold.
+# The block formats `ggml_linear` multiplies: what Q4_0, Q4_1, Q5_K_M, Q4_K_M, Q8_0 files hold,
+# and Q2_K, Q3_K_S/M/L, IQ4_NL and IQ4_XS files; and F16 and BF16 weights, kept in their 16
+# bits (float32 weights made an F16 file's model twice its size on AVX2 CPUs).
 NATIVE_TYPES = frozenset(
-    {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q4_K, QType.Q5_K,
-     QType.Q6_K}
+    {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q2_K, QType.Q3_K,
+     QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.F16, QType.BF16}
 )  # fmt: skip
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
+# 16-bit float weights: a 2-D one comes as a `GGUFTensor` (its bytes, as a block format's),
+# which `ggml_linear` multiplies where its rows are whole runs of 32 values.
+HALF_TYPES = frozenset({QType.F16, QType.BF16})
 
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -113,12 +119,13 @@ class GGUFTensor:
     @property
     def native(self) -> bool:
         """Whether `ggml_linear` multiplies these blocks here."""
-        return self.type in NATIVE_TYPES and ggml_kernels() is not None
+        whole = self.type not in HALF_TYPES or self.shape[1] % 32 == 0
+        return self.type in NATIVE_TYPES and whole and ggml_kernels() is not None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[rows, cols]`` weights, exactly as ggml dequantizes them, in ``dtype``."""
         kernels = ggml_kernels()
-        if self.type in NATIVE_TYPES and kernels is not None:
+        if self.native and kernels is not None:
             dense = kernels.ggml_dequantize(self.blocks, int(self.type), self.shape[1])
         else:  # the gguf package's numpy reference: slower, every format it knows
             dense = torch.from_numpy(quants.dequantize(self.blocks.numpy(), self.type))
@@ -293,7 +300,10 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
             if name is None:
                 continue
             shape, qtype = t.shape, t.type
-            if qtype in FLOAT_TYPES:
+            if qtype in HALF_TYPES and len(shape) == 2 and not name.endswith("norm.weight"):
+                blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
+                tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]), mapped=True)
+            elif qtype in FLOAT_TYPES:
                 tensor: torch.Tensor | GGUFTensor = _float_tensor(gguf.array(t), qtype, shape)
                 if (arch in NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight")
                         and not name.endswith(_NORMS_AS_THEY_ARE)):  # fmt: skip

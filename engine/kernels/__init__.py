@@ -26,7 +26,9 @@ machine then builds, plans and serves the AVX2 path, so one machine tests both.
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 
 * ``ggml_dequantize``, ``ggml_linear``: GGUF weights served from their own blocks
-  (`csrc/ggml_quants.cpp`), also a `DecodeStack` projection
+  (`csrc/ggml_quants.cpp`; IQ4_NL/IQ4_XS in `csrc/ggml_iq4.cpp`, Q2_K/Q3_K in
+  `csrc/ggml_q23_k.cpp`, F16/BF16 weights in `csrc/ggml_f16.cpp`), also a `DecodeStack`
+  projection
 
 `ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU with AVX2 but
 not AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and
@@ -64,6 +66,9 @@ AVX2_SOURCES = (
     "decode_stack.cpp",
     "ggml_quants.cpp",
     "gated_delta_net.cpp",
+    "ggml_iq4.cpp",
+    "ggml_q23_k.cpp",
+    "ggml_f16.cpp",
 )
 # The AVX512-BF16 build adds the bf16 and int8/int4 kernels.
 SOURCES = (

@@ -2,8 +2,9 @@
 ggml blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
 `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
 `ggml_linear` (`engine/kernels/csrc/ggml_quants.cpp`) multiplies them on int8-quantized
-activations, as llama.cpp computes. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K are
-regrouped 8 rows at a time at load (a layout whose kernel is 512 bits wide on AVX-512); for
+activations, as llama.cpp computes (F16 and BF16 weights: on float32 ones). Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, IQ4_NL and IQ4_XS are regrouped 8 rows at a time at load
+(a layout whose kernel is 512 bits wide on AVX-512); for
 Q4_0, Q5_0, Q8_0, Q4_K and Q6_K that kernel also serves prefill, while bf16 calls of more
 than `GGML_DOT_MAX_ROWS` rows on other formats dequantize the blocks to bf16 for the call
 and take torch's GEMM. A projection with any part in another format is
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.gguf_weights import GGUFTensor
+from engine.gguf_weights import HALF_TYPES, GGUFTensor
 from engine.kernels import ggml_kernels
 from engine.quantization.base import check_shape, register, weight_rows
 from engine.quantization.dense import DenseMethod
@@ -56,6 +57,11 @@ class GGUFMethod(DenseMethod):
         self.ggml: tuple[list[torch.Tensor], list[int]] | None = None
         self.parts: list[tuple[str, int]] = []
         self.max_rows = GGML_DOT_MAX_ROWS  # bf16 rows through `ggml_linear`
+        # every part F16/BF16 (a float file's): float32 calls of more than `max_rows` rows too
+        # take the weight made float for the call and torch's GEMM (the float kernel is a pass
+        # over memory at decode; at prefill its tiles of 4 rows are FMA-bound, where torch's
+        # blocked GEMM is not: not yet measured against it)
+        self.half_parts = False
 
     def load(
         self, weight: nn.Parameter, tensor: torch.Tensor | GGUFTensor, rows: tuple[int, int] | None
@@ -90,6 +96,7 @@ class GGUFMethod(DenseMethod):
                 part.release()
         if all(regrouped) and all(p.type.name in INT8_AT_ANY_SIZE for p in parts):
             self.max_rows = ANY_ROWS
+        self.half_parts = all(p.type in HALF_TYPES for p in parts)
         self.ggml = ([blocks for blocks, _ in packed], [qtype for _, qtype in packed])
         self.parts = [(p.type.name, p.shape[0]) for p in parts]
         self.blocks.clear()
@@ -99,7 +106,7 @@ class GGUFMethod(DenseMethod):
     ) -> torch.Tensor:
         if self.ggml is None:
             return super().forward(x, weight, bias)
-        if x.dtype == torch.bfloat16 and x.shape[0] > self.max_rows:
+        if x.shape[0] > self.max_rows and (x.dtype == torch.bfloat16 or self.half_parts):
             return F.linear(x, self.dense_weight(x.dtype), bias)
         y = ggml_kernels().ggml_linear(x, *self.ggml)
         return y if bias is None else y + bias

@@ -1,6 +1,6 @@
 """GGUF blocks and files for the tests: random blocks of any ggml type (finite scales), and
 a few-layer copy of the default model whose projections mix every format the kernels
-multiply, plus one they do not (Q2_K: served dequantized)."""
+multiply, plus one they do not (`UNSERVED`: served dequantized)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,23 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
+from engine.gguf_file import ArrayInfo, _Cursor, _value
 from engine.gguf_weights import GGUFFile
 from engine.loader import default_gguf_path
 
 # Byte offsets of a block's f16 scales (the rest of a block is quants and 6-bit scales,
 # any byte of which is valid): d, and dmin for the types that have one.
 _F16_SCALES = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
-               T.Q2_K: (80, 82), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fmt: skip
+               T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_S: (0,), T.F16: (0,)}  # fmt: skip
+# A type no kernel multiplies (served dequantized to the dtype): the mixed file's one such
+# projection. (IQ1_S: any bytes after its f16 d are valid, as for the types above.)
+UNSERVED = T.IQ1_S
+# The types `_write_gguf` writes as random blocks (the gguf package quantizes the legacy ones).
+_RANDOM_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, UNSERVED)
 
 
 def random_blocks(
@@ -27,6 +34,9 @@ def random_blocks(
 ) -> np.ndarray:
     """uint8 ``[rows, bytes per row]``: random quants and 6-bit scales, f16 scales drawn in
     ``[-scale, scale]`` (random bytes there could be inf or NaN)."""
+    if qtype == T.BF16:  # the top halves of float32 values in [-scale, scale]
+        dense = rng.uniform(-scale, scale, size=(rows, cols)).astype(np.float32)
+        return (dense.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     values, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
     for offset in _F16_SCALES[qtype]:
@@ -36,7 +46,7 @@ def random_blocks(
 
 
 # Layer -> projection -> type. SmolLM2's hidden size (576) is not a multiple of 256, so the
-# K-quants (and Q2_K) can only hold the down projections (1536 columns), as in llama.cpp's
+# K-quants (and `UNSERVED`) can only hold the down projections (1536 columns), as in llama.cpp's
 # own Q4_K_M files of it.
 MIXED_LAYERS = (
     {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q5_1,
@@ -46,7 +56,7 @@ MIXED_LAYERS = (
     {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q4_1,
      "ffn_gate": T.Q5_0, "ffn_up": T.Q4_0, "ffn_down": T.Q5_K},
     {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q4_1,
-     "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q2_K},
+     "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": UNSERVED},
 )  # fmt: skip
 # The (tied) embedding re-quantized to Q4_0: a head of 49,152 rows, which its kernel regroups.
 MIXED_EMBEDDING = T.Q4_0
@@ -64,16 +74,49 @@ def write_mixed_gguf(path: Path, seed: int = 0, layers: int = len(MIXED_LAYERS))
     """The default model's metadata, embedding (in `MIXED_EMBEDDING`) and first ``layers``
     layers, each projection in its `MIXED_LAYERS` type: the legacy types re-quantized from
     the real weights, the K-quants random blocks (the gguf package cannot quantize them).
-    ``layers=3``: every type the kernels multiply, none served dequantized."""
+    ``layers=3``: none served dequantized."""
+    return write_layers_gguf(path, MIXED_LAYERS[:layers], seed)
 
-    def mixed_type(name: str) -> T | None:
+
+def write_layers_gguf(
+    path: Path, layers: tuple[dict[str, T], ...], seed: int = 0, embedding: T = MIXED_EMBEDDING
+) -> Path:
+    """The default model's metadata, embedding (in ``embedding``) and first ``len(layers)``
+    layers, projection p of layer i in type ``layers[i][p]`` (as it is where not named): the
+    legacy types re-quantized from the real weights, the others random blocks."""
+
+    def layer_type(name: str) -> T | None:
         if name == "token_embd.weight":
-            return MIXED_EMBEDDING
+            return embedding
         layer, _, rest = name.removeprefix("blk.").partition(".")
-        return MIXED_LAYERS[int(layer)].get(rest.removesuffix(".weight")) \
+        return layers[int(layer)].get(rest.removesuffix(".weight")) \
             if name.startswith("blk.") else None  # fmt: skip
 
-    return _write_gguf(path, layers, mixed_type, np.random.default_rng(seed))
+    return _write_gguf(path, len(layers), layer_type, np.random.default_rng(seed))
+
+
+@lru_cache(maxsize=2)
+def _metadata(path: Path) -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
+    """A GGUF file's metadata as GGUFWriter takes it: key -> (value, type, array element type).
+    Read with the engine's own parser (gguf's GGUFReader took 15-30 s over SmolLM2's 49,152
+    tokens and merges, on every file the tests write), each key's type by a walk of the same
+    bytes."""
+    table = GGUFFile(path)
+    cursor = _Cursor(memoryview(table.data), table.path)
+    cursor.pos = 4
+    _, _, kvs = cursor.unpack("<IQQ", "the header")
+    fields = {}
+    for _ in range(kvs):
+        key = cursor.string("a key")
+        (vtype,) = cursor.unpack("<I", "a type")
+        value = _value(cursor, vtype, key)
+        if isinstance(value, ArrayInfo):
+            items = table.read_array(key)
+            items = items if isinstance(items, list) else items.tolist()
+            fields[key] = (items, GGUFValueType.ARRAY, GGUFValueType(value.type))
+        else:
+            fields[key] = (value, GGUFValueType(vtype), None)
+    return fields
 
 
 def _write_gguf(
@@ -85,17 +128,15 @@ def _write_gguf(
     """The default model's metadata and tensors (its first ``layers`` layers; None: all),
     each quantized tensor in ``type_of(name)`` (None: as it is)."""
     source = default_gguf_path()
-    reader = GGUFReader(source)
-    arch = str(reader.fields["general.architecture"].contents())
+    fields = _metadata(source)
+    arch = str(fields["general.architecture"][0])
     writer = GGUFWriter(str(path), arch)
-    for name, field in reader.fields.items():
+    for name, (value, vtype, sub) in fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        value = field.contents()
         if name == f"{arch}.block_count" and layers is not None:
             value = layers
-        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+        writer.add_key_value(name, value, vtype, sub_type=sub)
     table = GGUFFile(source)
     for info in table.tensors:
         layer, _, _ = info.name.removeprefix("blk.").partition(".")
@@ -105,7 +146,7 @@ def _write_gguf(
         qtype = type_of(info.name) if info.type not in (T.F32, T.F16) else None
         if qtype is not None and qtype != info.type:
             rows, cols = info.shape
-            if qtype in (T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K):
+            if qtype in _RANDOM_TYPES:
                 data = random_blocks(qtype, rows, cols, rng, scale=2e-5)
             else:
                 dense = quants.dequantize(data.reshape(rows, -1), info.type)

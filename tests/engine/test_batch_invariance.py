@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from engine import LLM, SamplingParams
@@ -63,7 +64,7 @@ def _gguf_linear(qtype: T, cols: int, dtype: torch.dtype) -> Linear:
 def test_gguf_projections_compute_a_row_alike_in_calls_of_every_size(qtype, dtype):
     # As the batch-invariant plan packs them: every call through the int8 dot products
     # (bf16 calls of more than 32 rows would otherwise take the bf16 GEMM).
-    cols = 512 if qtype.name.endswith("_K") else 576
+    cols = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 576  # whole super-blocks, or 18 blocks
     linear = _gguf_linear(qtype, cols, dtype)
     x = torch.randn(TOTAL, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
     _assert_rows_invariant(linear, x, qtype.name)
@@ -253,8 +254,8 @@ def test_deterministic_refuses_a_path_that_cannot_keep_it(fields, why):
 
 def test_deterministic_refuses_a_gguf_projection_dequantized_to_float(tmp_path):
     # A format the kernels do not multiply is dequantized and served by torch's matmul.
-    path = write_mixed_gguf(tmp_path / "mixed.gguf")  # its last layer's down projection: Q2_K
-    with pytest.raises(ValueError, match="--deterministic: .*Q2_K.*torch's matmul"):
+    path = write_mixed_gguf(tmp_path / "mixed.gguf")  # its last layer's down projection: IQ1_S
+    with pytest.raises(ValueError, match="--deterministic: .*IQ1_S.*torch's matmul"):
         LLM(str(path), deterministic=True)
 
 

@@ -58,7 +58,7 @@ def test_qwen3s_qk_norms_run_in_the_stack_bit_for_bit(tmp_path, batch):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, batch):
-    # Every GGUF kernel type in one model, and a Q2_K projection served dequantized (bf16
+    # Every GGUF kernel type in one model, and an IQ1_S projection served dequantized (bf16
     # through the skinny GEMM) among them: `auto` takes bf16 activations and the stack.
     llm = LLM(model=str(write_mixed_gguf(tmp_path / "mixed.gguf")), cache_dir=str(tmp_path),
               num_blocks=32)  # fmt: skip

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
-from gguf import quants
 
 from engine import LLM, SamplingParams
 from engine.gguf_weights import NATIVE_TYPES, GGUFFile, GGUFTensor
@@ -17,7 +17,7 @@ from engine.kernels import ggml_kernels
 from engine.loader import default_gguf_path
 from engine.models.linear import GGML_DOT_MAX_ROWS, GGUF, Linear
 from engine.perplexity import text_logits
-from tests.engine.gguf_models import MIXED_LAYERS, random_blocks, write_mixed_gguf
+from tests.engine.gguf_models import MIXED_LAYERS, UNSERVED, random_blocks, write_mixed_gguf
 from tests.engine.test_engine_golden import assert_all_blocks_free
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
@@ -56,6 +56,10 @@ def test_the_default_models_real_blocks_dequantize_bit_for_bit():
     assert {t.name for t in seen} == {"Q4_1", "Q8_0"}
 
 
+def _super_blocks(qtype: T) -> bool:
+    return GGML_QUANT_SIZES[qtype][0] == 256
+
+
 def _relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return ((y.float() - reference).norm() / reference.norm()).item()
 
@@ -65,7 +69,7 @@ def _relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
 def test_linear_matches_the_dequantized_weights(qtype, dtype):
     # Activations are quantized to int8 per 32 (256 for the K-quants) values, as llama.cpp
     # does: within about 1% of the dense product. Every tile shape: 1-4 rows and the rest.
-    cols = 512 if qtype.name.endswith("_K") else 736  # 736: 23 blocks of 32, not of 256
+    cols = 512 if _super_blocks(qtype) else 736  # 736: 23 blocks of 32, not of 256
     blocks = random_blocks(qtype, 40, cols, np.random.default_rng(7))
     dense = torch.from_numpy(quants.dequantize(blocks, qtype))
     for rows in (1, 3, 4, 7, 33):
@@ -81,7 +85,7 @@ def test_a_rows_product_is_the_same_bits_in_any_tile(qtype, regroup):
     # Speculative decoding verifies 1 + k rows in one call where plain decoding multiplies
     # one: greedy output is the same with it on and off only if a row's sums are added in
     # the same order whatever tile (1-8 rows, and the rest) the row falls in.
-    cols = 512 if qtype.name.endswith("_K") else 736
+    cols = 512 if _super_blocks(qtype) else 736
     blocks = torch.from_numpy(random_blocks(qtype, 48, cols, np.random.default_rng(11)))
     weight, wtype = (ggml_kernels().ggml_repack(blocks, int(qtype), cols) if regroup
                      else (blocks, int(qtype)))  # fmt: skip
@@ -238,9 +242,9 @@ def test_a_fused_projection_multiplies_parts_of_different_types():
 
 
 def test_linear_refuses_a_type_it_does_not_multiply():
-    blocks = torch.from_numpy(random_blocks(T.Q2_K, 4, 256, np.random.default_rng(0)))
+    blocks = torch.from_numpy(random_blocks(UNSERVED, 4, 256, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="type"):
-        ggml_kernels().ggml_linear(torch.randn(1, 256), [blocks], [int(T.Q2_K)])
+        ggml_kernels().ggml_linear(torch.randn(1, 256), [blocks], [int(UNSERVED)])
 
 
 # -- a model whose projections mix every format --------------------------------------------
@@ -254,10 +258,10 @@ def mixed_gguf(tmp_path_factory):
 def test_a_mixed_gguf_serves_from_its_blocks_as_its_dequantized_weights(mixed_gguf, tmp_path):
     native = LLM(model=str(mixed_gguf), cache_dir=str(tmp_path), num_blocks=64)
     summary = native.engine.core.compute_summary
-    for name in {t.name for layer in MIXED_LAYERS for t in layer.values()} - {"Q2_K"}:
+    for name in {t.name for layer in MIXED_LAYERS for t in layer.values()} - {UNSERVED.name}:
         assert f"{name} x" in summary, (name, summary)
     # The one format with no kernel is served dequantized, and the start-up line says so.
-    assert "(dequantized Q2_K) x1" in summary and "embedding Q4_0" in summary
+    assert f"(dequantized {UNSERVED.name}) x1" in summary and "embedding Q4_0" in summary
     assert isinstance(native.engine.core.model.embed_blocks.blocks, torch.Tensor)
     # The tied head multiplies a regrouped copy; the embedding reads the file's blocks.
     assert native.engine.core.model.head_ggml[1] != [int(T.Q4_0)]
@@ -277,10 +281,10 @@ def test_a_mixed_gguf_serves_from_its_blocks_as_its_dequantized_weights(mixed_gg
 
 
 def test_gguf_tensor_dequantize_falls_back_to_numpy_for_other_types():
-    blocks = random_blocks(T.Q2_K, 3, 256, np.random.default_rng(1))
-    tensor = GGUFTensor(torch.from_numpy(blocks), T.Q2_K, (3, 256))
+    blocks = random_blocks(UNSERVED, 3, 256, np.random.default_rng(1))
+    tensor = GGUFTensor(torch.from_numpy(blocks), UNSERVED, (3, 256))
     assert not tensor.native
-    assert _exact(tensor.dequantize().numpy(), quants.dequantize(blocks, T.Q2_K))
+    assert _exact(tensor.dequantize().numpy(), quants.dequantize(blocks, UNSERVED))
 
 
 def test_released_file_pages_read_back_as_the_file_and_copies_are_never_released():

@@ -1,5 +1,8 @@
 // GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
-// and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold).
+// and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold), and the entry points for every
+// type: the other format families live in their own files (ggml_iq4.cpp: IQ4_NL, IQ4_XS;
+// ggml_q23_k.cpp: Q2_K, Q3_K; ggml_f16.cpp: F16, BF16 weights), with what all share in
+// ggml_common.h.
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8
@@ -20,6 +23,8 @@
 #include "ggml_quants.h"
 
 #include <ATen/Parallel.h>
+
+#include "ggml_common.h"
 #include <immintrin.h>
 
 #include <cstring>
@@ -29,8 +34,7 @@
 
 namespace {
 
-// ggml_type ids (ggml.h), which GGUF stores per tensor.
-enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+using namespace pagedserve_ggml;  // NOLINT: the format files' shared parts (ggml_common.h)
 
 // Q4_0 repacked at load, 8 rows to a group (`ggml_repack`; not a ggml type, so an id of our
 // own). Per block column b, a group holds its 8 rows' f16 scales (16 bytes), then their 16
@@ -77,12 +81,9 @@ struct FifthBitPlace {
 constexpr FifthBitPlace fifth_bit_place(int v) {
   return {v < 16 ? v / 4 : 4 + (v - 16) / 4, v % 4};
 }
-constexpr int64_t kGroupRows = 8;
 constexpr int64_t kQ4KColumn = 1184;  // bytes per super-block column of a Q4_Kx8 group
 constexpr int64_t kQ6KColumn = 1680;  // and of a Q6_Kx8 group
 
-constexpr int64_t QK = 32;    // values per activation block and per legacy weight block
-constexpr int64_t QKK = 256;  // values per K-quant super-block
 
 struct Format {
   int64_t block_values, block_bytes;
@@ -98,6 +99,16 @@ Format format_of(int64_t type) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
+    case F16:
+    case BF16: return {32, 64};  // no blocks: 32-value runs, so K's checks hold
+    case IQ4_NL: return {32, 18};
+    case IQ4_XS: return {256, 136};
+    case IQ4_NLx8: return {32, 18 * kGroupRows};
+    case IQ4_XSx8: return {256, kIQ4XSColumn};
+    case Q2_Kx8: return {256, 672};
+    case Q3_Kx8: return {256, 912};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
     case Q8_0x8: return {32, 34 * kGroupRows};
     case Q5_0x8: return {32, 22 * kGroupRows};
@@ -111,18 +122,19 @@ Format format_of(int64_t type) {
 
 inline bool grouped(int64_t type) {
   return type == Q4_0x8 || type == Q4_1x8 || type == Q5_0x8 || type == Q5_1x8 ||
-         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8;
+         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8 || type == IQ4_NLx8 || type == IQ4_XSx8 || type == Q2_Kx8 ||
+         type == Q3_Kx8;
+}
+
+// Whether a type's products take the 256-value activation blocks (the K-quants'), not the
+// 32-value ones (the legacy types', IQ4_NL's and IQ4_XS's, whose sub-blocks are 32 values).
+inline bool k_activations(int64_t type) {
+  return format_of(type).block_values == QKK && type != IQ4_XS && type != IQ4_XSx8;
 }
 
 // Rows of weights that `w`'s first dimension holds (groups of 8 once repacked).
 int64_t rows_of(const torch::Tensor& w, int64_t type) {
   return w.size(0) * (grouped(type) ? kGroupRows : 1);
-}
-
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
 }
 
 // Q4_K/Q5_K's twelve scale bytes -> 8 scales (bytes 0-7) and 8 mins (bytes 8-15), the
@@ -158,6 +170,12 @@ void dequantize_k(float d, float dmin, const uint8_t* sm, const uint8_t* qs, con
 
 void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
+    case IQ4_NL:
+    case IQ4_XS: return iq4_dequantize_block(type, b, y);
+    case Q2_K:
+    case Q3_K: return q23_k_dequantize_block(type, b, y);
+    case F16:
+    case BF16: return f16_dequantize_block(type, b, y);
     case Q4_0: {
       const float d = fp16(b);
       for (int l = 0; l < 16; ++l) {
@@ -241,6 +259,8 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
 // Row r (0-7) of a repacked group: each block's parts gathered back from the group first.
 void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
                           float* y) {
+  if (type == IQ4_NLx8 || type == IQ4_XSx8) return iq4_dequantize_group_row(type, group, r, cols, y);
+  if (type == Q2_Kx8 || type == Q3_Kx8) return q23_k_dequantize_group_row(type, group, r, cols, y);
   if (type == Q8_0x8) {
     uint8_t block[34];
     for (int64_t b = 0; b < cols / QK; ++b) {
@@ -321,21 +341,6 @@ void check_blocks(const torch::Tensor& w, int64_t type, int64_t cols) {
 // per 256 for the K-quants, whose integer sums then run over a whole super-block with one
 // float multiply at its end.
 
-// 32 activations as int8 with one scale (x ~= d * q), and d times the sum of q.
-struct XBlock {
-  float d, dsum;
-  int32_t qsum;  // the sum of q (dsum = d * qsum)
-  int8_t q[32];
-};
-
-// 256 activations as int8 with one scale, and the sums of q over each 16 and each 32.
-struct XBlockK {
-  float d;
-  int16_t bsums[16];
-  int16_t sums32[8];
-  int8_t q[256];
-};
-
 inline float load_value(const float* x, int64_t i) { return x[i]; }
 inline float load_value(const at::BFloat16* x, int64_t i) { return (float)x[i]; }
 
@@ -381,18 +386,6 @@ void quantize_row(const T* x, int64_t K, XBlockK* out) {
 // acc[m] (8 float lanes, summed at the row's end) and off[m] (the scalar offset terms).
 // xs[m] points at row m's activation block(s) under this weight block.
 
-inline __m256i dot_us(__m256i u, __m256i s) {  // 8 int32 sums of u * s (u unsigned)
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline __m256i nibbles(const uint8_t* q16) {  // 16 bytes -> 32 values: low nibbles, then high
-  const __m128i t = _mm_loadu_si128((const __m128i*)q16);
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
-}
-inline void add(__m256& acc, __m256i p, float scale) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
-}
-
 // A 32-value block's two float factors for one activation block, in vector lanes so no
 // scalar work chains block to block: lane 0 scales the integer dot product (d_w * d_x),
 // lane 1 is the block's offset term (its min, or -offset * d_w, times d_x * sum of q_x),
@@ -402,7 +395,7 @@ inline void add_block(__m256& acc, __m128& off, __m256i p, __m128 dm, const XBlo
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(s), acc);
   off = _mm_add_ps(off, s);
 }
-inline __m128 f16_pair(const uint8_t* w) {  // [d, m]: a block's first two f16
+inline __m128 f16_dm(const uint8_t* w) {  // [d, m]: a block's first two f16
   uint32_t dm;
   std::memcpy(&dm, w, 4);
   return _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
@@ -431,7 +424,7 @@ struct BlockQ4_1 {  // q * d + m
   static constexpr int64_t bytes = 20;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
-    const __m128 dm = f16_pair(w);
+    const __m128 dm = f16_dm(w);
     const __m256i u = nibbles(w + 4);
     for (int m = 0; m < MT; ++m) add_block(acc[m], off[m], dot_us(u, load32(xs[m]->q)), dm, xs[m]);
   }
@@ -456,7 +449,7 @@ struct BlockQ5 {  // Q5_0: (q - 16) * d; Q5_1: q * d + m
   static constexpr int64_t bytes = Q51 ? 24 : 22;
   template <int MT>
   static inline void dot(const uint8_t* w, const X* const* xs, __m256* acc, __m128* off) {
-    const __m128 dm = Q51 ? f16_pair(w) : f16_scaled(w, _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
+    const __m128 dm = Q51 ? f16_dm(w) : f16_scaled(w, _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
     const __m256i u = _mm256_or_si256(nibbles(w + (Q51 ? 8 : 6)), fifth_bits(w + (Q51 ? 4 : 2)));
     for (int m = 0; m < MT; ++m) add_block(acc[m], off[m], dot_us(u, load32(xs[m]->q)), dm, xs[m]);
   }
@@ -476,24 +469,6 @@ struct BlockQ8_0 {
   }
 };
 
-// _mm256_shuffle_epi8 masks: int16 lane `i` of each 128-bit half broadcast to that half
-// (kBroadcast16[i]), and Q6_K's pair: int16 `2i` to the low half, `2i + 1` to the high.
-alignas(32) constexpr int8_t kBroadcast16[8][32] = {
-#define B16(i) {2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
-                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
-                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, \
-                 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1}
-    B16(0), B16(1), B16(2), B16(3), B16(4), B16(5), B16(6), B16(7)};
-#undef B16
-alignas(32) constexpr int8_t kPair16[4][32] = {
-#define P16(i) {4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, \
-                 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, 4 * i, 4 * i + 1, \
-                 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, \
-                 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, 4 * i + 2, 4 * i + 3, \
-                 4 * i + 2, 4 * i + 3}
-    P16(0), P16(1), P16(2), P16(3)};
-#undef P16
-inline __m256i mask(const int8_t* m) { return _mm256_load_si256((const __m256i*)m); }
 
 template <bool Q5>
 struct BlockQxK {  // Q4_K and Q5_K: 8 sub-blocks of 32, 6-bit scales and mins
@@ -575,97 +550,6 @@ struct BlockQ6_K {  // 16 sub-blocks of 16 with int8 scales; q in 0..63, minus 3
     for (int m = 0; m < MT; ++m) add(acc[m], sum[m], d * xs[m]->d);
   }
 };
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// MT activation rows (starting at x, xstride blocks apart) against weight rows [n0, n1).
-// Two accumulator sets (vector and offset), alternating by block, so consecutive blocks'
-// adds do not wait on each other: one set would chain every block on the latency of an
-// add (3-4 cycles), longer than a block's other work at one activation row. The same two
-// at every MT, so a row's sum is added in the same order whatever tile it falls in: a
-// speculative verify's 1 + k rows then equal plain decode's single rows bit for bit. (Four
-// sets at 1-2 rows measured the same speed, bench.kernel_ab: 0.98-1.05x a layer.)
-template <typename B, int MT, typename Out>
-void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
-              const typename B::X* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
-  constexpr int SETS = 2;
-  const int64_t blocks = K / B::values;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc[SETS][MT];
-    __m128 off[SETS][MT];
-    const typename B::X* xs[MT];
-    for (int s = 0; s < SETS; ++s)
-      for (int m = 0; m < MT; ++m) {
-        acc[s][m] = _mm256_setzero_ps();
-        off[s][m] = _mm_setzero_ps();
-      }
-    for (int64_t b = 0; b < blocks; ++b) {
-      _mm_prefetch((const char*)(row + (b + 8) * B::bytes), _MM_HINT_T0);
-      for (int m = 0; m < MT; ++m) xs[m] = x + m * xstride + b;
-      B::template dot<MT>(row + b * B::bytes, xs, acc[b % SETS], off[b % SETS]);
-    }
-    for (int m = 0; m < MT; ++m) {
-      __m256 total = acc[0][m];
-      __m128 offset = off[0][m];
-      for (int s = 1; s < SETS; ++s) {
-        total = _mm256_add_ps(total, acc[s][m]);
-        offset = _mm_add_ps(offset, off[s][m]);
-      }  // lane 1 of `offset`: the blocks' offset terms
-      y[m * ldy + n] = (Out)(hsum(total) + _mm_cvtss_f32(_mm_movehdup_ps(offset)));
-    }
-  }
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVNNI = true;
-#else
-constexpr bool kVNNI = false;
-#endif
-
-// 8 int32 sums of 4 u8 * s8 products each, added to acc (AVX512-VNNI where compiled for).
-inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, dot_us(u, s));
-#endif
-}
-
-// Without VNNI an integer dot is two multiplies (maddubs, then madd to widen its int16 pair
-// sums) and an add, and the multiplies share two ports: at 4+ activation rows (batched
-// decode, prefill) that is the bound. Where the weights' values are small, maddubs's pair
-// sums are added as int16 first and widened once: a pair of 4-bit values times int8
-// activations (within +-127) is within 2 x 15 x 127 = 3,810, so 8 of them fit an int16;
-// 5-bit ones (7,874) 4, 6-bit ones (16,002) 2. Integer sums either way: the same bits.
-inline __m256i dot4_16(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
-inline __m256i dot4_16_add(__m256i acc16, __m256i u, __m256i s) {
-  return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(u, s));
-}
-inline __m256i widen_add(__m256i acc, __m256i sum16) {  // acc + the int16 pairs' sums
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
-}
-// An int32 lane's value (within int16) in both its int16 halves, for madd to multiply a
-// lane's int16 pair sums by it and add them: one multiply for the scale and the widening.
-inline __m256i both_halves(__m256i v) {
-  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-}
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
-inline void store8(at::BFloat16* y, __m256 v) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  for (int i = 0; i < 8; ++i) y[i] = at::BFloat16(t[i]);
-}
 
 // Repacked Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (see Q4_0x8, Q4_1x8, Q5_0x8, Q8_0x8): MT activation
 // rows against weight rows [n0, n1), 8 at a time. u[j] holds 4 values of each row, the ones
@@ -991,36 +875,6 @@ void groups_dot_q6_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t 
 // (lanes 0-7 the first group's rows, 8-15 the next's), so each integer dot product does 64
 // multiply-adds and an 8-row activation tile takes 24 of the 32 vector registers. Same sums
 // in the same order as groups_dot_q4_k per row, so the results are identical.
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each group
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
-}
-inline __m512i load_pair16(const uint8_t* a, const uint8_t* b) {  // 16 bytes of each, widened
-  return _mm512_castsi256_si512(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
-      _mm_loadu_si128((const __m128i*)b), 1));
-}
-inline __m512 f16_pair(const uint8_t* a, const uint8_t* b) {  // 8 f16 of each group
-  return _mm512_cvtph_ps(_mm512_castsi512_si256(load_pair16(a, b)));
-}
-inline __m512i bytes_pair(const uint8_t* a, const uint8_t* b) {  // 8 bytes of each -> int32
-  return _mm512_cvtepu8_epi32(
-      _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b)));
-}
-// The next block column of both groups, ahead of use: the hardware prefetcher follows one
-// stream well, two interleaved ones less so.
-inline void prefetch_pair(const uint8_t* c0, const uint8_t* c1, int64_t column) {
-  for (int64_t k = 0; k < column; k += 64) {
-    _mm_prefetch((const char*)(c0 + column + k), _MM_HINT_T0);
-    _mm_prefetch((const char*)(c1 + column + k), _MM_HINT_T0);
-  }
-}
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-inline void store16(at::BFloat16* y, __m512 v) {
-  alignas(64) float t[16];
-  _mm512_store_ps(t, v);
-  for (int i = 0; i < 16; ++i) y[i] = at::BFloat16(t[i]);
-}
-
 template <int MT, typename Out>
 void pairs_dot_q4_k(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                     const XBlockK* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
@@ -1192,41 +1046,6 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
 }
 #endif
 
-// One weight of a fused projection: its blocks, type, and first output column.
-struct Segment {
-  const uint8_t* w;
-  int64_t rows, row_bytes, type, col0;
-};
-
-constexpr int64_t kRowsPerTask = 16;  // weight rows a task streams (reused by every x tile)
-constexpr int kTile = 4;              // activation rows per pass over a weight block
-
-// Both activation layouts of x, each made only if a weight of the call needs it.
-struct Activations {
-  std::vector<XBlock> x32;
-  std::vector<XBlockK> x256;
-};
-
-template <typename B, typename Out>
-void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
-                  int64_t K, Out* y, int64_t ldy) {
-  using X = typename B::X;
-  const X* xq;
-  if constexpr (std::is_same<X, XBlock>::value) xq = a.x32.data(); else xq = a.x256.data();
-  const int64_t xstride = K / B::values;
-  Out* out = y + s.col0;
-  for (int64_t m = 0; m < M; m += kTile) {
-    const X* x = xq + m * xstride;
-    Out* o = out + m * ldy;
-    switch (std::min<int64_t>(kTile, M - m)) {
-      case 1: rows_dot<B, 1>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      case 2: rows_dot<B, 2>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      case 3: rows_dot<B, 3>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-      default: rows_dot<B, 4>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy); break;
-    }
-  }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #endif
 
@@ -1293,6 +1112,16 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     case Q8_0x8:
     case Q4_Kx8:
     case Q6_Kx8: return group_rows(s, n0, n1, a, M, K, y, ldy);
+    case IQ4_NL:
+    case IQ4_XS:
+    case IQ4_NLx8:
+    case IQ4_XSx8: return iq4_rows(s, n0, n1, a, M, K, y, ldy);
+    case Q2_K:
+    case Q3_K:
+    case Q2_Kx8:
+    case Q3_Kx8: return q23_k_rows(s, n0, n1, a, M, K, y, ldy);
+    case F16:
+    case BF16: return f16_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
     case Q4_1: return segment_rows<BlockQ4_1>(s, n0, n1, a, M, K, y, ldy);
     case Q5_0: return segment_rows<BlockQ5<false>>(s, n0, n1, a, M, K, y, ldy);
@@ -1305,16 +1134,19 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
 }
 
 template <typename T>
-Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256) {
+Activations quantize_activations(const torch::Tensor& x, bool x32, bool x256, bool xf) {
   const int64_t M = x.size(0), K = x.size(1);
   Activations a;
   if (x32) a.x32.resize(M * (K / QK));
   if (x256) a.x256.resize(M * (K / QKK));
+  if (xf) a.xf.resize(M * K);
   const T* data = x.data_ptr<T>();
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (x32) quantize_row(data + m * K, K, a.x32.data() + m * (K / QK));
       if (x256) quantize_row(data + m * K, K, a.x256.data() + m * (K / QKK));
+      if (xf)
+        for (int64_t k = 0; k < K; ++k) a.xf[m * K + k] = load_value(data + m * K, k);
     }
   });
   return a;
@@ -1357,7 +1189,8 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
   return y;
 }
 
-// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype.
+// y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype (x
+// quantized to int8 for the block formats, as float32 for F16 and BF16 weights).
 torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
                           std::vector<int64_t> types) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
@@ -1376,9 +1209,11 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
   bool x32 = false, x256 = false;
-  for (const Segment& seg : segs) (format_of(seg.type).block_values == QKK ? x256 : x32) = true;
-  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256)
-                              : quantize_activations<float>(x, x32, x256);
+  bool xf = false;
+  for (const Segment& seg : segs)
+    (seg.type == F16 || seg.type == BF16 ? xf : k_activations(seg.type) ? x256 : x32) = true;
+  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256, xf)
+                              : quantize_activations<float>(x, x32, x256, xf);
   torch::Tensor y = torch::empty({M, cols}, x.options());
   // Tasks: runs of kRowsPerTask weight rows, over all segments, split between threads.
   std::vector<std::pair<int, int64_t>> tasks;
@@ -1482,7 +1317,8 @@ void repack_q6_k(const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* gr
 std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, int64_t cols) {
   check_blocks(w, type, cols);
   const bool regroups = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
-                        type == Q8_0 || type == Q4_K || type == Q6_K;
+                        type == Q8_0 || type == Q4_K || type == Q6_K || type == IQ4_NL ||
+                        type == IQ4_XS || type == Q2_K || type == Q3_K;
   if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
@@ -1492,7 +1328,15 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t stride = w.stride(0), group_bytes = out.size(1);
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
+      if (type == IQ4_NL || type == IQ4_XS) {
+        iq4_repack(type, src, stride, blocks, dst + g * group_bytes, g);
+        continue;
+      }
+      if (type == Q2_K || type == Q3_K) {
+        q23_k_repack(type, src, stride, blocks, dst + g * group_bytes, g);
+        continue;
+      }
       (type == Q4_0   ? repack_legacy<Legacy::Q4>
        : type == Q4_1 ? repack_legacy<Legacy::Q4_1>
        : type == Q5_0 ? repack_legacy<Legacy::Q5>
@@ -1500,6 +1344,7 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
        : type == Q8_0 ? repack_q8_0
        : type == Q4_K ? repack_q4_k
                       : repack_q6_k)(src, stride, blocks, dst + g * group_bytes, g);
+    }
   });
   return {out, grouped_type};
 }
