@@ -24,26 +24,9 @@ from engine.state_cache import StateMetadata, StateShape, StateTensors
 
 
 @dataclass(frozen=True)
-class LinearAttentionSpec:
-    """A Gated DeltaNet layer's sizes (transformers' ``linear_*`` config fields)."""
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
+class LinearAttentionSpec(GDNDims):
+    """A Gated DeltaNet layer's sizes (transformers' ``linear_*`` config fields): the ops'
+    shape, with the fused projection's rows and the state's shape per slot."""
 
     def rows(self) -> dict[str, tuple[int, int]]:
         """Each of transformers' input projections as rows of the fused one."""
@@ -62,8 +45,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, spec: LinearAttentionSpec, hidden_size: int, eps: float, **kw: Any) -> None:
         super().__init__()
         self.spec, self.eps = spec, eps
-        self.dims = GDNDims(spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim,
-                            spec.conv_kernel)  # fmt: skip
+        self.dims = spec  # (a GDNDims: the ops' shape)
         in_rows = spec.conv_dim + spec.value_dim + 2 * spec.num_v_heads
         self.in_proj = Linear(hidden_size, in_rows, False, **kw)
         self.out_proj = Linear(spec.value_dim, hidden_size, False, **kw)

@@ -30,8 +30,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             head_v_dim=hf_config.linear_value_head_dim,
             conv_kernel=hf_config.linear_conv_kernel_dim,
         )
-        if linear.num_v_heads % linear.num_k_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         return dataclasses.replace(
             arch, qk_norm=True, norm_plus_one=True, attn_output_gate=True, linear_attention=linear
         )
