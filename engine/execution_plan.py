@@ -75,6 +75,7 @@ class ModelShape(NamedTuple):
     sliding_window: bool = False
     kv_cache_groups: int = 1
     recurrent: bool = False  # layers that keep a state (kv_cache/state_group.py)
+    experts: bool = False  # layers whose MLP is a mixture of experts (engine/models/moe.py)
 
     @classmethod
     def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
@@ -84,7 +85,8 @@ class ModelShape(NamedTuple):
         windows, states = model.layer_windows(hf_config), model.state_layers(hf_config)
         return cls(heads // tp_size, max(kv_heads // tp_size, 1), arch.head_dim,
                    arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit(),
-                   any(windows), len(kv_cache_groups(windows, states)), bool(states))  # fmt: skip
+                   any(windows), len(kv_cache_groups(windows, states)), bool(states),
+                   arch.moe is not None and bool(arch.moe.layers))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -179,12 +181,19 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
     if config.deterministic and shape.recurrent:
         raise batch_variant_error("linear-attention layers prefill in chunks whose sums "
                                   "round by where a step cuts the prompt")  # fmt: skip
+    if tp > 1 and shape.experts:
+        raise ValueError("tensor parallelism does not serve mixtures of experts yet")
+    if config.deterministic and shape.experts:
+        raise batch_variant_error("a mixture of experts' router goes through torch's matmul, "
+                                  "which rounds by call size")  # fmt: skip
     kv_int8 = config.kv_cache_dtype == "int8"
     layer_ops = _layer_ops(dtype, device, quantization.layers, shape, tp, kv_int8)
     attention = resolve_attention(config, device, dtype, quantization.layers, shape)
     graphs_off = graphs_off_reason(device, config.enforce_eager, attention, tp)
     if graphs_off is None and shape.recurrent:
         graphs_off = "linear-attention layers"  # (their state steps are not captured)
+    if graphs_off is None and shape.experts:
+        graphs_off = "mixture of experts"  # (its tokens per expert are read on the host)
     stack = layer_ops not in (TORCH_OPS, TRITON_OPS) and attention == "cpu-paged"
     llama_layer = shape._replace(silu=True, layer_ops_misfit=None, decode_stack_misfit=None)
     model_layer = ""

@@ -62,17 +62,21 @@ def check_config(config: Any, shapes: Mapping[str, tuple[int, ...]], source: str
     linear = _linear_layers(config, layers)
     if linear:  # Qwen3.5: gated q (each head's q and gate), linear-attention layers
         sizes = ((2 * q, hidden), *sizes[1:])
+    sparse = _sparse_layers(config, layers)
     for layer in range(layers):
+        if layer in sparse:
+            expected.update(_expert_sizes(config, layer, hidden, shapes, positive, fail))
         if layer in linear:
             expected.update(_linear_sizes(config, layer, hidden, positive))
             for projection, size in zip(_PROJECTIONS[4:], sizes[4:], strict=True):
                 expected[f"model.layers.{layer}.{projection}.weight"] = size
             continue
         for projection, size in zip(_PROJECTIONS, sizes, strict=True):
-            expected[f"model.layers.{layer}.{projection}.weight"] = size
+            if not (layer in sparse and projection.startswith("mlp.")):
+                expected[f"model.layers.{layer}.{projection}.weight"] = size
         for projection, size in fused.items():  # a checkpoint that stores them fused (Phi-3)
             name = f"model.layers.{layer}.{projection}.weight"
-            if name in shapes:
+            if name in shapes and not (layer in sparse and projection.startswith("mlp.")):
                 parts = (
                     _PROJECTIONS[:3] if projection.startswith("self_attn") else _PROJECTIONS[4:6]
                 )
@@ -111,3 +115,31 @@ def _linear_sizes(config: Any, layer: int, hidden: int, positive: Any) -> dict[s
     return {p + "in_proj_qkv.weight": (conv, hidden), p + "in_proj_z.weight": (value_dim, hidden),
             p + "in_proj_b.weight": (v_heads, hidden), p + "in_proj_a.weight": (v_heads, hidden),
             p + "out_proj.weight": (hidden, value_dim), p + "conv1d.weight": (conv, 1, kernel)}  # fmt: skip
+
+
+def _sparse_layers(config: Any, layers: int) -> frozenset[int]:
+    """The layers whose MLP is a mixture of experts (a config with `num_experts`)."""
+    if not isinstance(getattr(config, "num_experts", None), int):
+        return frozenset()
+    from engine.models.moe import MoESpec  # (torch: only for a mixture of experts)
+
+    return MoESpec.of(config).layers
+
+
+def _expert_sizes(config: Any, layer: int, hidden: int, shapes: Mapping[str, tuple[int, ...]],
+                  positive: Any, fail: Any) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    """A mixture of experts' tensors and the shapes its config needs; the router's first,
+    so that a crafted expert count is refused before it is counted out."""
+    experts, inter = positive("num_experts"), positive("moe_intermediate_size")
+    if positive("num_experts_per_tok") > experts:
+        raise fail(f"num_experts_per_tok is over num_experts ({experts})")
+    p = f"model.layers.{layer}.mlp."
+    if shapes.get(p + "gate.weight") != (experts, hidden):
+        raise fail(f"{p}gate.weight is {_shape(shapes.get(p + 'gate.weight'))}, the config "
+                   f"needs {[experts, hidden]}")  # fmt: skip
+    sizes: dict[str, tuple[int, ...]] = {p + "gate.weight": (experts, hidden)}
+    for e in range(experts):
+        sizes |= {f"{p}experts.{e}.gate_proj.weight": (inter, hidden),
+                  f"{p}experts.{e}.up_proj.weight": (inter, hidden),
+                  f"{p}experts.{e}.down_proj.weight": (hidden, inter)}  # fmt: skip
+    return sizes

@@ -63,7 +63,19 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "linear_value_head_dim": _INT,
     "linear_num_key_heads": _INT,
     "linear_num_value_heads": _INT,
+    # mixtures of experts (Qwen3-MoE)
+    "num_experts": _INT,
+    "num_experts_per_tok": _INT,
+    "moe_intermediate_size": _INT,
+    "norm_topk_prob": (bool,),
+    "decoder_sparse_step": _INT,
+    "mlp_only_layers": (list, *_NONE),
+    "num_local_experts": _INT,
 }
+# Fields transformers writes under another name than the one it reads (its configs'
+# `attribute_map`): transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`,
+# the released checkpoints' config.json says `num_experts`.
+ALIASES = {"num_local_experts": "num_experts"}
 
 _SHARED = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
            "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
@@ -110,6 +122,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      "layer_types": None, "linear_conv_kernel_dim": 4,
                      "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                      "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+    "qwen3_moe": {**_SHARED, "vocab_size": 151936, "hidden_size": 2048,
+                  "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4,
+                  "max_position_embeddings": 32768, "attention_bias": False,
+                  "sliding_window": 4096, "use_sliding_window": False, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+                  "norm_topk_prob": False, "mlp_only_layers": None},
 }  # fmt: skip
 # Multimodal checkpoints served as their text model: model_type -> the text model's
 # architecture (its config is the file's `text_config`, its weights those under
@@ -167,6 +185,9 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
             raise ModelFileError(f"{model_dir}: cannot read its config.json ({name} is "
                                  f"{value!r}, not {' or '.join(_type_names(types))})")  # fmt: skip
     data = _text_model(data)
+    for alias, name in ALIASES.items():
+        if alias in data and name not in data:
+            data[name] = data[alias]
     defaults = DEFAULTS.get(data.get("model_type"), {})
     return ModelConfig(**{**defaults, **data, "_name_or_path": str(model_dir)})
 

@@ -27,6 +27,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.distributed import TensorParallel
 from engine.models.linear import Linear
 from engine.models.linear_attention import GatedDeltaNet, LinearAttentionSpec
+from engine.models.moe import MoESpec, SparseMoE
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Architecture:
     # its q rows: Qwen3.5's full-attention layers).
     attn_output_gate: bool = False
     linear_attention: LinearAttentionSpec | None = None  # the linear layers' sizes
+    moe: MoESpec | None = None  # a mixture of experts in the layers it names
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.layers
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
@@ -98,6 +104,7 @@ class Architecture:
             "sliding window" if "sliding_attention" in self.layer_types else "",
             "linear attention" if "linear_attention" in self.layer_types else "",
             "attention output gate" if self.attn_output_gate else "",
+            "mixture of experts" if self.moe is not None and self.moe.layers else "",
         ]
         return ", ".join(r for r in reasons if r) or None
 
@@ -194,6 +201,9 @@ class GatedMLP(_Block):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, arch.mlp_bias, **kw)
         self.down_proj = Linear(inter, arch.hidden_size, arch.mlp_bias, **kw)
 
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.gate_up_proj, self.down_proj)
+
     def forward(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
@@ -219,13 +229,18 @@ class DecoderLayer(nn.Module):
                                              **kw, quantization=quantization)  # fmt: skip
         else:
             self.self_attn = Attention(arch, backend, tp, index, **kw, quantization=quantization)
-        self.mlp = GatedMLP(arch, tp, **kw, quantization=quantization)
+        self.mlp: GatedMLP | SparseMoE
+        if arch.is_sparse(index):
+            assert arch.moe is not None
+            self.mlp = SparseMoE(arch.moe, arch.hidden_size, **kw, quantization=quantization)
+        else:
+            self.mlp = GatedMLP(arch, tp, **kw, quantization=quantization)
 
     def linears(self) -> tuple[Linear, ...]:
         """The projections in the order the native decode stack takes them."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         mixer = (attn.qkv_proj, attn.o_proj) if attn is not None else self.linear_attn.linears()
-        return (*mixer, mlp.gate_up_proj, mlp.down_proj)
+        return (*mixer, *self.mlp.linears())
 
     def forward(self, ops: Any, delta: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

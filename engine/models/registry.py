@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("smollm3", "engine.models.smollm3"),
     "Phi3ForCausalLM": ("phi3", "engine.models.phi3"),
     "Qwen3_5ForCausalLM": ("qwen3_5_text", "engine.models.qwen3_5"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "engine.models.qwen3_moe"),
 }
 ARCHITECTURE_BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.gguf_weights import GGUFTensor
 from engine.models.linear import GGUF, Linear, check_shape, weight_rows
+from engine.models.moe import SparseMoE
 
 # The model: an engine/models/decoder.py `DecoderForCausalLM` (not imported: it imports this).
 DecoderForCausalLM = nn.Module
@@ -98,10 +99,14 @@ def _keep_blocks(model: DecoderForCausalLM, target: torch.Tensor, tensor: Any) -
     return keep
 
 
-def _rows(model: DecoderForCausalLM, part: str | None) -> tuple[int, int] | None:
-    """A fused projection's part as (first row, rows), or None: the whole projection."""
+def _rows(
+    model: DecoderForCausalLM, part: str | None, inter: int | None = None
+) -> tuple[int, int] | None:
+    """A fused projection's part as (first row, rows), or None: the whole projection
+    (``inter``: the MLP's width where not the model's, an expert's)."""
     a = model.arch
-    q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    inter = a.intermediate_size if inter is None else inter
     q *= 2 if a.attn_output_gate else 1  # each head's q rows, then its gate's
     offsets = {None: None, "q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter),
                "up": (inter, inter)}  # fmt: skip
@@ -117,7 +122,7 @@ def _route(
         return getattr(model, _TOP[name]), None, [(_TOP[name], "")], None
     parts = name.split(".")
     unexpected = ValueError(f"unexpected weight name {name!r}")
-    if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+    if len(parts) not in (5, 6, 8) or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         raise unexpected
     index = int(parts[2])
     if index >= model.arch.num_layers:
@@ -125,6 +130,10 @@ def _route(
     layer, prefix = model.layers[index], f"layers.{index}."
     if layer.linear_attn is not None and parts[3] == "linear_attn":
         return _route_linear(layer.linear_attn, name, parts[4:], prefix)
+    if isinstance(layer.mlp, SparseMoE) and parts[3] == "mlp":
+        return _route_experts(model, layer.mlp, name, parts[4:], prefix + "mlp.")
+    if len(parts) == 8:
+        raise unexpected
     if len(parts) == 5:  # model.layers.N.<norm>.weight
         if parts[3] not in layer.norm_names or parts[4] != "weight":
             raise unexpected
@@ -174,6 +183,27 @@ def _route_linear(
     return mixer.in_proj.weight, rows, [(key + "in_proj", proj)], mixer.in_proj
 
 
+def _route_experts(
+    model: DecoderForCausalLM, moe: SparseMoE, name: str, parts: list[str], key: str
+) -> tuple[torch.Tensor, tuple[int, int] | None, list[tuple[str, str]], Linear | None]:
+    """`_route` for a mixture of experts' tensor (``parts``: after ``mlp``): the router
+    (``gate.weight``) or an expert's projection (``experts.E.gate_proj.weight``)."""
+    if parts == ["gate", "weight"]:
+        return moe.gate, None, [(key + "gate", "")], None
+    experts = moe.spec.num_experts
+    if (len(parts) != 4 or parts[0] != "experts" or not parts[1].isdigit()
+            or int(parts[1]) >= experts or parts[3] != "weight"):  # fmt: skip
+        raise ValueError(f"unexpected weight name {name!r} (experts: {experts})")
+    proj = parts[2]
+    if ("mlp", proj) not in _FUSED:
+        raise ValueError(f"unexpected weight name {name!r}")
+    ours, part = _FUSED[("mlp", proj)]
+    linear = getattr(moe.experts[int(parts[1])], ours)
+    rows = _rows(model, part, moe.spec.intermediate_size)
+    shard = (key + f"experts.{parts[1]}.{ours}", proj if rows else "")
+    return linear.weight, rows, [shard], linear
+
+
 def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full checkpoint tensor: rows of the column-parallel projections
     (q, k, v, gate, up: by heads and columns) and of the LM head, columns of the row-parallel
@@ -208,7 +238,11 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
             continue
         if layer.self_attn.q_norm is not None:
             shards |= {(p + n, "") for n in _QK_NORMS}
+        if isinstance(layer.mlp, SparseMoE):
+            shards |= _expert_shards(layer.mlp.spec.num_experts, p + "mlp.")
         for (module, proj), (ours, part) in _FUSED.items():
+            if module == "mlp" and isinstance(layer.mlp, SparseMoE):
+                continue
             linear = getattr(getattr(layer, module), ours)
             key = proj if part else ""
             shards.add((p + ours, key))
@@ -222,3 +256,13 @@ def _linear_shards(mixer: Any, key: str) -> set[tuple[str, str]]:
     shards = {(key + ours, "") for ours in _LINEAR_PARAMS.values()}
     shards |= {(key + "in_proj", proj) for proj in mixer.spec.rows()}
     return shards | {(key + "out_proj", "")}
+
+
+def _expert_shards(experts: int, key: str) -> set[tuple[str, str]]:
+    """Every (parameter, part) of a mixture of experts a checkpoint fills."""
+    shards = {(key + "gate", "")}
+    for e in range(experts):
+        shards |= {(key + f"experts.{e}.gate_up_proj", "gate_proj"),
+                   (key + f"experts.{e}.gate_up_proj", "up_proj"),
+                   (key + f"experts.{e}.down_proj", "")}  # fmt: skip
+    return shards

@@ -22,6 +22,7 @@ from transformers import (
     Qwen2Config,
     Qwen3_5TextConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -43,7 +44,8 @@ from tests.engine.tiny_models import default_model_dir, make_tiny_model_dir
 
 CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config,
-           "phi3": Phi3Config, "qwen3_5_text": Qwen3_5TextConfig}  # fmt: skip
+           "phi3": Phi3Config, "qwen3_5_text": Qwen3_5TextConfig,
+           "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
 # Qwen3.5's every fourth layer is full attention: four layers, or none would be.
 MINIMAL = {"qwen3_5_text": {"num_hidden_layers": 4}}
 # 32 heads: the key/value head counts the classes default to (32, 8) divide it.

@@ -69,10 +69,14 @@ ARCH_DEFAULTS = {
                      "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
                      "tie_word_embeddings": False},
+    # Qwen3-MoE (issue 66): 8 experts of 32 columns, 2 a token; layer 1 keeps a dense MLP
+    "qwen3_moe": {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "mlp_only_layers": [1]},
 }  # fmt: skip
 # Families whose norms are random too (transformers initialises them to the identity, which
 # would leave a wrong norm unseen).
-RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3", "qwen3_5_text")
+RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3", "qwen3_5_text", "qwen3_moe")
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,92 @@
+"""Qwen3-MoE (a mixture of experts in place of the MLP, a dense layer beside the sparse
+ones) token for token with transformers (float32 greedy): batched, repeated as prefix-cache
+hits, through preemption and speculation; the tokens grouped by expert so each chosen
+expert runs once per step; every block back at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.layer_ops import TorchOps, activation, rms_norm
+from engine.models.moe import SparseMoE
+from tests.engine.test_engine_golden import (
+    assert_all_blocks_free,
+    engine_greedy,
+    hf_greedy,
+    random_prompts,
+)
+from tests.engine.test_speculative import OracleDrafter, spec_counts
+from tests.engine.tiny_models import make_tiny_model_dir
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", seed=3)
+    prompts = random_prompts(seed=5, n=4, vocab=1000, shared_prefix=30)
+    return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def test_batch_and_prefix_cache_hits_match_transformers(qwen3_moe):
+    path, prompts, expected = qwen3_moe
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256)
+    layers = llm.engine.core.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoE", "GatedMLP", "SparseMoE"]
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    # Again: each prompt's prefix is now a cache hit, fewer rows computed per step.
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.num_cached_tokens == (len(prompt) - 1) // 4 * 4
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_and_chunked_prefill_match_transformers(qwen3_moe):
+    path, prompts, expected = qwen3_moe
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40,
+              max_num_batched_tokens=16)  # fmt: skip
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
+def test_speculation_matches_transformers(qwen3_moe):
+    path, prompts, expected = qwen3_moe
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+              speculative="ngram", num_speculative_tokens=4)  # fmt: skip
+    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    llm.engine.core.speculator.drafter = OracleDrafter(truth)
+    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
+    drafted, kept = spec_counts(llm)
+    assert kept >= 10 and drafted > kept
+    assert_all_blocks_free(llm)
+
+
+def test_each_chosen_expert_runs_once_per_step_on_its_tokens(qwen3_moe):
+    """The grouped forward equals each token through its own k experts, and calls each
+    chosen expert once, on exactly the tokens that chose it."""
+    path, _, _ = qwen3_moe
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=64)
+    moe = llm.engine.core.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    ops = TorchOps(None, activation("silu"), rms_norm)
+    x = torch.randn(24, moe.gate.shape[1], generator=torch.Generator().manual_seed(0))
+    weights, experts = moe.route(x)
+    calls: dict[int, int] = {}
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda m, a, out, e=e: calls.update({e: a[1].shape[0]}))
+    got = moe(ops, x)
+    chosen = torch.bincount(experts.flatten(), minlength=len(moe.experts))
+    assert calls == {e: int(n) for e, n in enumerate(chosen) if n}
+    assert len(calls) > moe.spec.top_k  # the tokens chose different experts
+    want = torch.stack([
+        sum(w * moe.experts[int(e)](ops, x[t : t + 1])[0] for w, e in zip(weights[t], experts[t], strict=True))
+        for t in range(x.shape[0])
+    ])  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # norm_topk_prob: the k weights of a token sum to 1
+    torch.testing.assert_close(weights.sum(-1), torch.ones(x.shape[0]))
