@@ -29,6 +29,7 @@ MODEL_TYPES = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # llama.cpp's loader: every 6th Gemma 3 layer is global, the others slide, at base 10,000
 # (llama-model.cpp, `set_swa_pattern(6)`, `rope_freq_base_train_swa`); every 4th SmolLM3
@@ -114,12 +115,12 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
 
 def _plain(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
     config["hidden_act"] = "silu"
-    if config["model_type"] in ("llama", "mistral", "qwen3", "smollm3"):
+    if config["model_type"] in ("llama", "mistral", "qwen3", "smollm3", "qwen3_moe"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if config["model_type"] in ("llama", "smollm3"):
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     window = keys.get("attention.sliding_window")
-    if config["model_type"] in ("qwen2", "qwen3", "smollm3"):
+    if config["model_type"] in ("qwen2", "qwen3", "smollm3", "qwen3_moe"):
         config["use_sliding_window"] = False  # llama.cpp serves them without a window
         config["sliding_window"] = None
     elif config["model_type"] == "mistral":
@@ -129,6 +130,17 @@ def _plain(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
 def _qwen3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
     _plain(config, keys, tensors)
     config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+
+
+def _qwen3moe(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    """Every layer a mixture of experts (llama.cpp's qwen3moe has no dense layer), its top-k
+    probabilities always rescaled to sum to 1 (llama.cpp's `build_moe_ffn(..., norm_w =
+    true)` for qwen3moe, whatever the checkpoint's norm_topk_prob said)."""
+    _qwen3(config, keys, tensors)
+    config.update(num_experts=keys.need("expert_count"),
+                  num_experts_per_tok=keys.need("expert_used_count"),
+                  moe_intermediate_size=keys.need("expert_feed_forward_length"),
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 
 
 def _smollm3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
@@ -231,6 +243,7 @@ def _qwen35(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
 
 _FAMILY: dict[str, Callable[[dict[str, Any], _Keys, set[str]], None]] = {
     "qwen3": _qwen3, "smollm3": _smollm3, "gemma3": _gemma3, "phi3": _phi3, "qwen35": _qwen35,
+    "qwen3moe": _qwen3moe,
 }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,15 @@ _ARCH_LAYER_NAMES = {
                "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
                "ssm_out": "linear_attn.out_proj"},
 }  # fmt: skip
+# Qwen3-MoE: the router, and each projection of all experts stacked in one 3-D tensor
+# [experts, rows, columns], which `read_tensors` hands on one expert at a time
+_EXPERTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_ARCH_LAYER_NAMES["qwen3moe"] = {**_ARCH_LAYER_NAMES["qwen3"], **_EXPERTS}
 # Parameters the converter names without a .weight of their own: Qwen3.5's A (`ssm_a`,
 # stored as -exp(A_log)) and dt_bias (renamed dt_proj.bias: `ssm_dt.bias`)
 _ARCH_PARAMETERS = {
@@ -300,6 +310,9 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
             if name is None:
                 continue
             shape, qtype = t.shape, t.type
+            if len(shape) == 3 and expert_stacks(name):
+                yield from _experts(gguf, t, name)
+                continue
             if qtype in HALF_TYPES and len(shape) == 2 and not name.endswith("norm.weight"):
                 blocks = torch.from_numpy(gguf.array(t)).view(shape[0], -1)
                 tensor = GGUFTensor(blocks, qtype, (shape[0], shape[1]), mapped=True)
@@ -327,6 +340,33 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
             if orders is not None:
                 tensor = _qwen35_tensor(name, tensor, orders, f"{gguf.path}: tensor {t.name}")
             yield name, tensor
+
+
+def expert_stacks(name: str) -> bool:
+    """Whether ``name`` is a mixture's stacked tensor (``...mlp.experts.gate_proj.weight``,
+    llama.cpp's ``ffn_gate_exps``), which stands for every expert's (`expert_names`)."""
+    return ".mlp.experts." in name and name.count(".") == 6
+
+
+def expert_names(name: str, experts: int) -> list[str]:
+    """A stacked expert tensor's name -> each expert's, as transformers' checkpoints name
+    them (``...mlp.experts.0.gate_proj.weight``, ...)."""
+    head, _, tail = name.partition(".mlp.experts.")
+    return [f"{head}.mlp.experts.{e}.{tail}" for e in range(experts)]
+
+
+def _experts(gguf: GGUFFile, t: Any, name: str) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """A 3-D ``[experts, rows, columns]`` tensor as each expert's 2-D weight: float32
+    slices, or its blocks (rows of the mapped file, in place; F16 and BF16 too, as 2-D
+    weights of those types are kept)."""
+    experts, rows, cols = t.shape
+    if t.type == QType.F32:
+        stacked = _float_tensor(gguf.array(t), t.type, t.shape)
+        yield from zip(expert_names(name, experts), stacked, strict=True)
+        return
+    blocks = torch.from_numpy(gguf.array(t)).view(experts * rows, -1)
+    for e, expert in enumerate(expert_names(name, experts)):
+        yield expert, GGUFTensor(blocks[e * rows : (e + 1) * rows], t.type, (rows, cols), True)
 
 
 def weight_types(path: str | Path) -> dict[str, int]:

@@ -45,7 +45,7 @@ from engine.gguf_config import generation_config, gguf_config
 from engine.gguf_fast_tokenizer import FastTokenizer
 from engine.gguf_file import GGUFFile
 from engine.gguf_tokenizer import end_of_generation_ids, gguf_tokenizer, tokenizer_config
-from engine.gguf_weights import gguf_arch, hf_name, read_tensors
+from engine.gguf_weights import expert_names, expert_stacks, gguf_arch, hf_name, read_tensors
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config, text_weight_name
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
@@ -396,9 +396,13 @@ def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for t in gguf.tensors:
         name = hf_name(t.name, gguf.path, arch, layers)
-        if name is not None:  # (a conv1d weight [C, K] loads as transformers' [C, 1, K])
-            conv = name.endswith("conv1d.weight") and len(t.shape) == 2
-            shapes[name] = (t.shape[0], 1, t.shape[1]) if conv else t.shape
+        if name is None:
+            continue
+        if len(t.shape) == 3 and expert_stacks(name):  # one [rows, cols] weight per expert
+            shapes.update(dict.fromkeys(expert_names(name, t.shape[0]), t.shape[1:]))
+            continue
+        conv = name.endswith("conv1d.weight") and len(t.shape) == 2  # [C, K] as [C, 1, K]
+        shapes[name] = (t.shape[0], 1, t.shape[1]) if conv else t.shape
     return shapes
 
 

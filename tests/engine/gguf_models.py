@@ -168,7 +168,8 @@ def _write_gguf(
 
 # transformers' model_type -> llama.cpp's architecture
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-              "smollm3": "smollm3", "phi3": "phi3", "qwen3_5_text": "qwen35"}  # fmt: skip
+              "smollm3": "smollm3", "phi3": "phi3", "qwen3_5_text": "qwen35",
+              "qwen3_moe": "qwen3moe"}  # fmt: skip
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Gemma3Model.norm_shift; Qwen3NextModel.modify_tensors (all norms but linear_attn's)
 _PLUS_ONE_NORMS = ("gemma3", "qwen35")
@@ -264,6 +265,10 @@ def write_family_gguf(
         w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     if arch == "qwen35":
         _qwen35_keys(w, config, head_dim, mtp)
+    if arch == "qwen3moe":  # Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
     _write_vocab(w, vocab, template, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
@@ -271,6 +276,12 @@ def write_family_gguf(
             continue
         if arch == "qwen35":
             tensor, name = _qwen35_tensor(tensor.detach().float(), name, config)
+        if ".mlp." in name and arch == "qwen3moe":  # the router, each projection stacked
+            for gguf_name, data in _qwen3moe_tensors(tensor.detach().float().numpy(), name):
+                quantize = qtype is not None and data.ndim == 3
+                w.add_tensor(gguf_name, quants.quantize(data, qtype) if quantize else data,
+                             raw_dtype=qtype if quantize else None)  # fmt: skip
+            continue
         data = tensor.detach().float().numpy().copy()
         stem, _, kind = name.rpartition(".")
         if arch in _PERMUTED and stem.endswith(("q_proj", "k_proj")):
@@ -293,6 +304,21 @@ def write_family_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _qwen3moe_tensors(data: np.ndarray, name: str) -> list[tuple[str, np.ndarray]]:
+    """Qwen2MoeModel.modify_tensors: the router as `ffn_gate_inp`, every expert's gate, up
+    and down stacked into one [experts, rows, columns] tensor each (transformers holds gate
+    and up of all experts as one `gate_up_proj` [experts, 2 * columns, hidden])."""
+    block = name.split(".")[2]
+    if name.endswith("mlp.gate.weight"):
+        return [(f"blk.{block}.ffn_gate_inp.weight", data.copy())]
+    if name.endswith("experts.gate_up_proj"):
+        gate, up = np.split(data, 2, axis=1)
+        return [(f"blk.{block}.ffn_gate_exps.weight", gate.copy()),
+                (f"blk.{block}.ffn_up_exps.weight", up.copy())]  # fmt: skip
+    assert name.endswith("experts.down_proj"), name
+    return [(f"blk.{block}.ffn_down_exps.weight", data.copy())]
 
 
 def _qwen35_keys(w: GGUFWriter, config, head_dim: int, mtp: bool) -> None:
