@@ -30,6 +30,8 @@ The shapes (vocabulary: the tokenizer's 49152, not the original's):
   head_dim 128), ``gemma3-1b`` (26 layers, one full layer in six, the others over a
   512-token window; one KV head of 256), ``qwen3.5-0.8b`` and ``qwen3.5-2b`` (24 layers,
   three Gated DeltaNet layers of 16 heads of 128 to one gated full-attention layer).
+* Mixtures of experts (`MOE_SHAPES`, written a layer at a time): ``qwen3-moe-7b-a1b``
+  (Qwen3-30B-A3B's layer with 64 experts over 24 layers: 7.7B parameters, 1.3B a token).
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ FAMILY_SHAPES = {
                                         linear_num_key_heads=16, linear_num_value_heads=16,
                                         tie_word_embeddings=True)),
 }  # fmt: skip
+# Mixtures of experts, written one layer at a time (`write_moe_dir`: a 7B model in bf16 is
+# 16 GB, more than transformers' initialisation and save can hold beside it here): a
+# Qwen3-MoE of about 7.7B parameters reading about 1.3B a token (Qwen3-30B-A3B's layer,
+# its experts' width and top-8, with 64 experts over 24 layers).
+MOE_SHAPES = {
+    "qwen3-moe-7b-a1b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144,
+                                           num_hidden_layers=24, num_attention_heads=16,
+                                           num_key_value_heads=4, head_dim=128,
+                                           num_experts=64, num_experts_per_tok=8,
+                                           moe_intermediate_size=768, norm_topk_prob=True,
+                                           tie_word_embeddings=False)),
+}  # fmt: skip
 # The converter's extra arguments per model_type (Qwen3.5's multi-token prediction layers
 # are not in a model transformers initialises).
 CONVERTER_ARGS = {"qwen3_5_text": ["--no-mtp"]}
@@ -119,6 +133,8 @@ def write_hf_dir(size: str, out: Path, seed: int = 0, tokenizer_dir: Path | None
     tokenizer_dir = tokenizer_dir or resolve_model_dir(None)
     if size in FAMILY_SHAPES:
         return write_family_dir(size, out, seed, tokenizer_dir)
+    if size in MOE_SHAPES:
+        return write_moe_dir(size, out, seed, tokenizer_dir)
     vocab = 49152
     config = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, rope_theta=10000.0,
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -152,6 +168,51 @@ def write_hf_dir(size: str, out: Path, seed: int = 0, tokenizer_dir: Path | None
             p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
         }  # fmt: skip
+        weight_map.update(_save(layer, out / f"model-layer{i:03d}.safetensors"))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return out
+
+
+def write_moe_dir(name: str, out: Path, seed: int, tokenizer_dir: Path) -> Path:
+    """A `MOE_SHAPES` model's directory, one layer in memory at a time: random bf16 weights
+    (normal, std 0.02; norms 1), every expert under its checkpoint name, the default
+    model's tokenizer."""
+    from transformers import AutoConfig
+
+    model_type, shape = MOE_SHAPES[name]
+    config = AutoConfig.for_model(model_type, vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=2, architectures=["Qwen3MoeForCausalLM"],
+                                  dtype="bfloat16", **shape)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, out / file)
+    g = torch.Generator().manual_seed(seed)
+    h, d, inter = config.hidden_size, config.head_dim, config.moe_intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, dtype=torch.bfloat16)
+
+    top = {"model.embed_tokens.weight": rand(49152, h), "model.norm.weight": ones(h),
+           "lm_head.weight": rand(49152, h)}  # fmt: skip
+    weight_map = _save(top, out / "model-top.safetensors")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layer = {p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+                 p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+                 p + "self_attn.q_norm.weight": ones(d), p + "self_attn.k_norm.weight": ones(d),
+                 p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                 p + "mlp.gate.weight": rand(config.num_experts, h)}  # fmt: skip
+        for e in range(config.num_experts):
+            x = f"{p}mlp.experts.{e}."
+            layer |= {x + "gate_proj.weight": rand(inter, h), x + "up_proj.weight": rand(inter, h),
+                      x + "down_proj.weight": rand(h, inter)}  # fmt: skip
         weight_map.update(_save(layer, out / f"model-layer{i:03d}.safetensors"))
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -198,7 +259,7 @@ def make_ggufs(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("size", choices=sorted(SHAPES) + sorted(FAMILY_SHAPES))
+    parser.add_argument("size", choices=sorted(SHAPES) + sorted(FAMILY_SHAPES) + sorted(MOE_SHAPES))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--hf-only",

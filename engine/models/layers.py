@@ -1,7 +1,8 @@
 """The shared blocks a decoder model is assembled from: `Architecture` (its numbers and
 switches), `Attention` (fused QKV, optional q/k norms, rotary, paged attention, output
-projection), `GatedMLP` (fused gate/up, activation, down) and `DecoderLayer` (pre-norm
-attention and MLP, optionally Gemma's "sandwich" norms around each).
+projection), `GatedMLP` (fused gate/up, activation, down), a mixture of experts in its
+place where the architecture names one (`engine/models/moe.py`) and `DecoderLayer`
+(pre-norm attention and MLP, optionally Gemma's "sandwich" norms around each).
 
 What differs between families is an option of these blocks, an `Architecture` field each
 family file sets once (q/k norms, (1 + w) norms, sandwich norms, per-layer rotary tables,
