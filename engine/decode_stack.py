@@ -18,6 +18,18 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.execution_plan import ExecutionPlan
+from engine.models.moe import SparseMoE
+
+
+def _mlp(ops: Any, mlp: Any) -> tuple[Any, Any, Any]:
+    """A layer's MLP as the stack's layer takes it: (gate_up, down, None) where dense,
+    (None, None, its experts) for a mixture of experts (engine/models/moe.py)."""
+    if not isinstance(mlp, SparseMoE):
+        return mlp.gate_up_proj.stack_projection(ops), mlp.down_proj.stack_projection(ops), None
+    experts = ops.Experts(mlp.gate, [e.gate_up_proj.stack_projection(ops) for e in mlp.experts],
+                          [e.down_proj.stack_projection(ops) for e in mlp.experts],
+                          mlp.spec.top_k, mlp.spec.norm_topk_prob)  # fmt: skip
+    return None, None, experts
 
 
 class DecodeStack:
@@ -37,7 +49,8 @@ class DecodeStack:
             return None
         layers = [
             ops.DecoderLayer(layer.input_layernorm, layer.post_attention_layernorm,
-                             *(linear.stack_projection(ops) for linear in layer.linears()),
+                             layer.self_attn.qkv_proj.stack_projection(ops),
+                             layer.self_attn.o_proj.stack_projection(ops), *_mlp(ops, layer.mlp),
                              layer.self_attn.q_norm, layer.self_attn.k_norm)
             for layer in model.layers
         ]  # fmt: skip

@@ -105,7 +105,6 @@ class Architecture:
             "sliding window" if "sliding_attention" in self.layer_types else "",
             "linear attention" if "linear_attention" in self.layer_types else "",
             "attention output gate" if self.attn_output_gate else "",
-            "mixture of experts" if self.moe is not None and self.moe.layers else "",
         ]
         return ", ".join(r for r in reasons if r) or None
 

@@ -56,6 +56,30 @@ def test_qwen3s_qk_norms_run_in_the_stack_bit_for_bit(tmp_path, batch):
     _assert_stack_equals_python_layers(llm, batch)
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_a_mixture_of_experts_runs_in_the_stack_bit_for_bit(tmp_path, batch):
+    # Qwen3-MoE: a sparse layer, a dense one, a sparse one; at 5 rows tokens share experts
+    path = make_tiny_model_dir(tmp_path, "qwen3_moe")
+    llm = LLM(model=str(path), dtype="bfloat16", num_blocks=32)
+    assert "decode stack" in llm.engine.core.compute_summary
+    _assert_stack_equals_python_layers(llm, batch)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_a_mixture_of_experts_gguf_runs_in_the_stack_from_its_blocks(tmp_path, batch):
+    from gguf import GGMLQuantizationType
+
+    from tests.engine.gguf_models import bpe_vocab, write_family_gguf
+    from tests.engine.test_gguf_qwen3_moe import _model
+
+    file = write_family_gguf(tmp_path / "moe.gguf", _model(), bpe_vocab("qwen2"),
+                             qtype=GGMLQuantizationType.Q8_0)  # fmt: skip
+    llm = LLM(model=str(file), cache_dir=str(tmp_path), num_blocks=32)
+    summary = llm.engine.core.compute_summary
+    assert "decode stack" in summary and "Q8_0 x" in summary
+    _assert_stack_equals_python_layers(llm, batch)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_gguf_decodes_through_the_stack_from_its_blocks_bit_for_bit(tmp_path, batch):
     # Every GGUF kernel type in one model, and an IQ1_S projection served dequantized (bf16

@@ -49,12 +49,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
            py::arg("ggml_blocks") = std::vector<torch::Tensor>(),
            py::arg("ggml_types") = std::vector<int64_t>());
+  py::class_<Experts>(m, "Experts", py::module_local())
+      .def(py::init<torch::Tensor, std::vector<Projection>, std::vector<Projection>, int64_t,
+                    bool>(),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
+           py::arg("norm_topk_prob"));
   py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
-      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection,
-                    Projection, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection,
+                    c10::optional<Projection>, c10::optional<Projection>,
+                    c10::optional<Experts>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none());
+           py::arg("gate_up"), py::arg("down"), py::arg("experts") = py::none(),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
                     double>(),

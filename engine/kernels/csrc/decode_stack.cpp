@@ -31,6 +31,45 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
 #endif
 }
 
+Experts::Experts(torch::Tensor router, std::vector<Projection> gate_up,
+                 std::vector<Projection> down, int64_t top_k, bool norm_topk_prob)
+    : router(std::move(router)), gate_up(std::move(gate_up)), down(std::move(down)),
+      top_k(top_k), norm_topk_prob(norm_topk_prob) {
+  TORCH_CHECK(this->gate_up.size() == this->down.size() &&
+                  static_cast<int64_t>(this->gate_up.size()) == this->router.size(0),
+              "a gate_up and a down projection per expert, one router row each");
+  TORCH_CHECK(top_k >= 1 && top_k <= this->router.size(0), "top_k of 1 to the experts");
+}
+
+// Each token's top-k experts, then each chosen expert once on the tokens that chose it,
+// in ascending order, its output weighted and added into theirs.
+torch::Tensor Experts::operator()(const torch::Tensor& x) const {
+  const torch::Tensor probs = torch::softmax(torch::linear(x.to(torch::kFloat), router), -1);
+  auto [weights, chosen] = torch::topk(probs, top_k, -1);
+  if (norm_topk_prob) weights = weights / weights.sum({-1}, /*keepdim=*/true);
+  weights = weights.to(x.scalar_type());
+  const torch::Tensor flat = chosen.flatten();
+  const torch::Tensor order = std::get<1>(flat.sort(c10::optional<bool>(true), 0));
+  const torch::Tensor tokens = order.div(top_k, "floor");
+  const torch::Tensor pair_weights = weights.flatten().index_select(0, order).unsqueeze(1);
+  const torch::Tensor counts = torch::bincount(flat, {}, router.size(0));
+  const int64_t* count = counts.data_ptr<int64_t>();
+  torch::Tensor out = torch::zeros_like(x);
+  int64_t start = 0;
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    if (!count[e]) continue;
+    const torch::Tensor rows = tokens.narrow(0, start, count[e]);
+    const torch::Tensor y = down[e](silu_mul(gate_up[e](x.index_select(0, rows))));
+    out.index_add_(0, rows, y * pair_weights.narrow(0, start, count[e]));
+    start += count[e];
+  }
+  return out;
+}
+
+torch::Tensor DecoderLayer::mlp(const torch::Tensor& x) const {
+  return experts ? (*experts)(x) : (*down)(silu_mul((*gate_up)(x)));
+}
+
 DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                          double scale)
@@ -76,7 +115,7 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0);
     const torch::Tensor o = layer.o(attn.view({T, num_heads_ * head_dim_}));
     auto [y, stream2] = add_rms_norm(o, stream, layer.post_attention_norm, eps_);
-    delta = layer.down(silu_mul(layer.gate_up(y)));
+    delta = layer.mlp(y);
     residual = stream2;
   }
   return std::get<0>(add_rms_norm(delta, residual, final_norm_, eps_));

@@ -20,11 +20,28 @@ struct Projection {
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 
+// A mixture of experts in place of the MLP (Qwen3-MoE): the float32 router [experts,
+// hidden] and each expert's projections; the calls `SparseMoE.forward` makes
+// (engine/models/moe.py), so bit for bit the same.
+struct Experts {
+  torch::Tensor router;
+  std::vector<Projection> gate_up, down;
+  int64_t top_k;
+  bool norm_topk_prob;
+  Experts(torch::Tensor router, std::vector<Projection> gate_up, std::vector<Projection> down,
+          int64_t top_k, bool norm_topk_prob);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
 struct DecoderLayer {
   torch::Tensor input_norm, post_attention_norm;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o;
+  // The MLP: dense (gate_up and down) or a mixture of experts.
+  c10::optional<Projection> gate_up, down;
+  c10::optional<Experts> experts;
   // Qwen3's per-head RMSNorms of q and k, before rotary (both or neither).
   c10::optional<torch::Tensor> q_norm, k_norm;
+  torch::Tensor mlp(const torch::Tensor& x) const;
 };
 
 // A layer's (K, V) cache, as the model runner holds them.
