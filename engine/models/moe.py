@@ -95,13 +95,15 @@ class SparseMoE(nn.Module):
         tokens = order // self.spec.top_k
         pair_weights = weights.flatten().index_select(0, order).unsqueeze(1)
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
+        # Each chosen expert on its contiguous run of the sorted rows, once.
+        sorted_x = x.index_select(0, tokens)
+        ys, start = [], 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            y = self.experts[expert](ops, x.index_select(0, rows))
-            out.index_add_(0, rows, y * pair_weights[start : start + count])
+            if count:
+                ys.append(self.experts[expert](ops, sorted_x[start : start + count]))
             start += count
+        # One add per pair, in the pairs' order: each token's experts in ascending order
+        # (index_add_ adds an index's entries in turn), as transformers adds them.
+        out = torch.zeros_like(x)
+        out.index_add_(0, tokens, torch.cat(ys) * pair_weights)
         return out

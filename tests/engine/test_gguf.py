@@ -241,6 +241,23 @@ def test_a_fused_projection_multiplies_parts_of_different_types():
     assert _relative_error(y, x @ dense.T) < 0.015
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_calls_in_one_region_give_each_calls_own_bits(dtype):
+    # A mixture of experts' step: each expert its own rows and weights (regrouped or not,
+    # fused parts of different types), all in one parallel region (`ggml_linears`).
+    kernels, rng = ggml_kernels(), np.random.default_rng(5)
+    calls = []
+    for rows, parts in [(1, [(T.Q4_K, 24)]), (3, [(T.Q6_K, 16), (T.Q8_0, 8)]),
+                        (7, [(T.Q4_0, 40)]), (2, [(T.IQ4_XS, 8), (T.Q4_K, 16)])]:  # fmt: skip
+        packed = [kernels.ggml_repack(torch.from_numpy(random_blocks(t, n, 512, rng)), int(t), 512)
+                  for t, n in parts]  # fmt: skip
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        calls.append((x, [b for b, _ in packed], [t for _, t in packed]))
+    together = kernels.ggml_linears(*(list(part) for part in zip(*calls, strict=True)))
+    for (x, blocks, types), y in zip(calls, together, strict=True):
+        assert torch.equal(y, kernels.ggml_linear(x, blocks, types))
+
+
 def test_linear_refuses_a_type_it_does_not_multiply():
     blocks = torch.from_numpy(random_blocks(UNSERVED, 4, 256, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="type"):

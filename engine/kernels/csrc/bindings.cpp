@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none(), nogil);
   m.def("ggml_linear", &ggml_linear, "x @ W^T on ggml blocks, int8 activations", py::arg("x"),
         py::arg("weights"), py::arg("types"), nogil);
+  m.def("ggml_linears", &ggml_linears, "several ggml_linear calls in one parallel region",
+        py::arg("xs"), py::arg("weights"), py::arg("types"), nogil);
   m.def("ggml_repack", &ggml_repack, "(blocks, type) in the layout ggml_linear reads fastest",
         py::arg("w"), py::arg("type"), py::arg("cols"), nogil);
 

@@ -41,8 +41,32 @@ Experts::Experts(torch::Tensor router, std::vector<Projection> gate_up,
   TORCH_CHECK(top_k >= 1 && top_k <= this->router.size(0), "top_k of 1 to the experts");
 }
 
+// Projections `used` of `ps`, each on its own rows: as each projection's own call would
+// give them; where all are GGUF blocks, the calls in one parallel region (`ggml_linears`).
+static std::vector<torch::Tensor> project_each(const std::vector<Projection>& ps,
+                                               const std::vector<size_t>& used,
+                                               const std::vector<torch::Tensor>& xs) {
+  std::vector<torch::Tensor> ys;
+  bool blocks = true;
+  for (size_t e : used) blocks = blocks && !ps[e].ggml_blocks.empty();
+  if (!blocks) {
+    for (size_t i = 0; i < used.size(); ++i) ys.push_back(ps[used[i]](xs[i]));
+    return ys;
+  }
+  std::vector<std::vector<torch::Tensor>> weights;
+  std::vector<std::vector<int64_t>> types;
+  for (size_t e : used) {
+    weights.push_back(ps[e].ggml_blocks);
+    types.push_back(ps[e].ggml_types);
+  }
+  ys = ggml_linears(xs, weights, types);
+  for (size_t i = 0; i < used.size(); ++i)
+    if (ps[used[i]].bias) ys[i].add_(*ps[used[i]].bias);
+  return ys;
+}
+
 // Each token's top-k experts, then each chosen expert once on the tokens that chose it,
-// in ascending order, its output weighted and added into theirs.
+// its output weighted and added into theirs in ascending order of the experts.
 torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   const torch::Tensor probs = torch::softmax(torch::linear(x.to(torch::kFloat), router), -1);
   auto [weights, chosen] = torch::topk(probs, top_k, -1);
@@ -54,15 +78,21 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   const torch::Tensor pair_weights = weights.flatten().index_select(0, order).unsqueeze(1);
   const torch::Tensor counts = torch::bincount(flat, {}, router.size(0));
   const int64_t* count = counts.data_ptr<int64_t>();
-  torch::Tensor out = torch::zeros_like(x);
-  int64_t start = 0;
-  for (size_t e = 0; e < gate_up.size(); ++e) {
+  // The pairs' rows of x sorted by expert: each chosen expert's a contiguous run of them.
+  const torch::Tensor sorted = x.index_select(0, tokens);
+  std::vector<size_t> used;
+  std::vector<torch::Tensor> xs;
+  for (int64_t e = 0, start = 0; e < router.size(0); start += count[e++]) {
     if (!count[e]) continue;
-    const torch::Tensor rows = tokens.narrow(0, start, count[e]);
-    const torch::Tensor y = down[e](silu_mul(gate_up[e](x.index_select(0, rows))));
-    out.index_add_(0, rows, y * pair_weights.narrow(0, start, count[e]));
-    start += count[e];
+    used.push_back(e);
+    xs.push_back(sorted.narrow(0, start, count[e]));
   }
+  std::vector<torch::Tensor> hidden = project_each(gate_up, used, xs);
+  for (torch::Tensor& h : hidden) h = silu_mul(h);
+  const torch::Tensor ys = torch::cat(project_each(down, used, hidden));
+  // One add per pair, in the pairs' order: each token's experts in ascending order.
+  torch::Tensor out = torch::zeros_like(x);
+  out.index_add_(0, tokens, ys * pair_weights);
   return out;
 }
 

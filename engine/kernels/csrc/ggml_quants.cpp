@@ -1191,45 +1191,95 @@ torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t cols,
 
 // y[M, sum of rows] = x[M, K] @ [W_0; W_1; ...]^T, x float32 or bf16, y in x's dtype (x
 // quantized to int8 for the block formats, as float32 for F16 and BF16 weights).
-torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
-                          std::vector<int64_t> types) {
+namespace {
+
+// One `ggml_linear` call made ready: its weights as segments, x quantized as they need,
+// the output allocated; its tasks (runs of kRowsPerTask weight rows) may then run on any
+// thread, in any order, each writing its own output columns.
+struct LinearCall {
+  std::vector<Segment> segs;
+  Activations xq;
+  torch::Tensor y;
+  int64_t M, K, cols;
+  bool bf16;
+
+  void run(size_t seg, int64_t n0) const {
+    const Segment& s = segs[seg];
+    const int64_t n1 = std::min(s.rows, n0 + kRowsPerTask);
+    if (bf16)
+      run_segment(s, n0, n1, xq, M, K, y.data_ptr<at::BFloat16>(), cols);
+    else
+      run_segment(s, n0, n1, xq, M, K, y.data_ptr<float>(), cols);
+  }
+};
+
+LinearCall prepare_linear(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                          const std::vector<int64_t>& types) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(weights.size() == types.size() && !weights.empty(), "one type per weight");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  std::vector<Segment> segs;
-  int64_t cols = 0;
+  LinearCall call;
+  call.M = x.size(0);
+  call.K = x.size(1);
+  TORCH_CHECK(call.K % QK == 0, "K must be a multiple of 32");
+  call.cols = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    check_blocks(weights[i], types[i], K);
+    check_blocks(weights[i], types[i], call.K);
     const int64_t rows = rows_of(weights[i], types[i]);
-    segs.push_back({weights[i].data_ptr<uint8_t>(), rows, weights[i].stride(0), types[i], cols});
-    cols += rows;
+    call.segs.push_back(
+        {weights[i].data_ptr<uint8_t>(), rows, weights[i].stride(0), types[i], call.cols});
+    call.cols += rows;
   }
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
-  bool x32 = false, x256 = false;
-  bool xf = false;
-  for (const Segment& seg : segs)
+  call.bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(call.bf16 || x.scalar_type() == torch::kFloat, "x must be float32 or bfloat16");
+  bool x32 = false, x256 = false, xf = false;
+  for (const Segment& seg : call.segs)
     (seg.type == F16 || seg.type == BF16 ? xf : k_activations(seg.type) ? x256 : x32) = true;
-  const Activations xq = bf16 ? quantize_activations<at::BFloat16>(x, x32, x256, xf)
-                              : quantize_activations<float>(x, x32, x256, xf);
-  torch::Tensor y = torch::empty({M, cols}, x.options());
-  // Tasks: runs of kRowsPerTask weight rows, over all segments, split between threads.
-  std::vector<std::pair<int, int64_t>> tasks;
-  for (size_t i = 0; i < segs.size(); ++i)
-    for (int64_t n = 0; n < segs[i].rows; n += kRowsPerTask) tasks.push_back({(int)i, n});
+  call.xq = call.bf16 ? quantize_activations<at::BFloat16>(x, x32, x256, xf)
+                      : quantize_activations<float>(x, x32, x256, xf);
+  call.y = torch::empty({call.M, call.cols}, x.options());
+  return call;
+}
+
+// Every task of every call, split between threads in one parallel region.
+void run_calls(const std::vector<LinearCall>& calls) {
+  std::vector<std::tuple<size_t, size_t, int64_t>> tasks;  // (call, segment, first row)
+  for (size_t c = 0; c < calls.size(); ++c)
+    for (size_t i = 0; i < calls[c].segs.size(); ++i)
+      for (int64_t n = 0; n < calls[c].segs[i].rows; n += kRowsPerTask) tasks.push_back({c, i, n});
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const Segment& s = segs[tasks[t].first];
-      const int64_t n0 = tasks[t].second, n1 = std::min(s.rows, n0 + kRowsPerTask);
-      if (bf16)
-        run_segment(s, n0, n1, xq, M, K, y.data_ptr<at::BFloat16>(), cols);
-      else
-        run_segment(s, n0, n1, xq, M, K, y.data_ptr<float>(), cols);
+      const auto& [c, i, n] = tasks[t];
+      calls[c].run(i, n);
     }
   });
-  return y;
+}
+
+}  // namespace
+
+torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                          std::vector<int64_t> types) {
+  std::vector<LinearCall> calls;
+  calls.push_back(prepare_linear(std::move(x), weights, types));
+  run_calls(calls);
+  return calls[0].y;
+}
+
+// Why several at once: a mixture of experts' step multiplies each chosen expert's rows by
+// its own weights, and at a few rows a call's fork and join cost as much as its arithmetic.
+// Each output is the one `ggml_linear` gives (the same tasks; a row's sums never depend on
+// which thread or call runs them).
+std::vector<torch::Tensor> ggml_linears(const std::vector<torch::Tensor>& xs,
+                                        const std::vector<std::vector<torch::Tensor>>& weights,
+                                        const std::vector<std::vector<int64_t>>& types) {
+  TORCH_CHECK(xs.size() == weights.size() && xs.size() == types.size(),
+              "one weight list and type list per x");
+  std::vector<LinearCall> calls;
+  for (size_t c = 0; c < xs.size(); ++c) calls.push_back(prepare_linear(xs[c], weights[c], types[c]));
+  run_calls(calls);
+  std::vector<torch::Tensor> ys;
+  for (LinearCall& call : calls) ys.push_back(std::move(call.y));
+  return ys;
 }
 
 namespace {
