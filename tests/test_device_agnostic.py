@@ -91,6 +91,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("engine/gguf_weights.py", "qwen35_orders", "torch.arange without device="): _GGUF_HOST,
     ("engine/gguf_weights.py", "_float_tensor", "torch.from_numpy without device="): _GGUF_HOST,
     ("engine/gguf_weights.py", "read_tensors", "torch.from_numpy without device="): _GGUF_HOST,
+    ("engine/gguf_weights.py", "_experts", "torch.from_numpy without device="): _GGUF_HOST,
     ("engine/loader.py", "_safetensors", 'device string "cpu"'): (
         "safetensors reads each weight into host memory; load_weights copies it into the "
         "parameter on the configured device (dest.copy_), so loading is the same on both"
