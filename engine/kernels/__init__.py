@@ -64,6 +64,7 @@ AVX2_SOURCES = (
     "fused_ops_f32.cpp",
     "paged_decode_f32.cpp",
     "decode_stack.cpp",
+    "moe_sum.cpp",
     "ggml_quants.cpp",
     "gated_delta_net.cpp",
     "ggml_iq4.cpp",

@@ -69,6 +69,14 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up
 
+    def moe_sum(self, ys: list[torch.Tensor], tokens: torch.Tensor, weights: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:  # fmt: skip
+        """A mixture of experts' output: each token's pairs' rows (``ys``, expert by expert;
+        ``tokens``: each pair's token) times their weights, added in the pairs' order, as
+        transformers adds them (float32: the same bits)."""
+        out = torch.zeros(num_tokens, ys[0].shape[1], dtype=ys[0].dtype, device=ys[0].device)
+        return out.index_add_(0, tokens, torch.cat(ys) * weights.unsqueeze(1))
+
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":

@@ -93,7 +93,7 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         tokens = order // self.spec.top_k
-        pair_weights = weights.flatten().index_select(0, order).unsqueeze(1)
+        pair_weights = weights.flatten().index_select(0, order)
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
         # Each chosen expert on its contiguous run of the sorted rows, once.
         sorted_x = x.index_select(0, tokens)
@@ -102,8 +102,4 @@ class SparseMoE(nn.Module):
             if count:
                 ys.append(self.experts[expert](ops, sorted_x[start : start + count]))
             start += count
-        # One add per pair, in the pairs' order: each token's experts in ascending order
-        # (index_add_ adds an index's entries in turn), as transformers adds them.
-        out = torch.zeros_like(x)
-        out.index_add_(0, tokens, torch.cat(ys) * pair_weights)
-        return out
+        return ops.moe_sum(ys, tokens, pair_weights, x.shape[0])

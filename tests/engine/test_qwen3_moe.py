@@ -90,3 +90,27 @@ def test_each_chosen_expert_runs_once_per_step_on_its_tokens(qwen3_moe):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # norm_topk_prob: the k weights of a token sum to 1
     torch.testing.assert_close(weights.sum(-1), torch.ones(x.shape[0]))
+
+
+@pytest.mark.parametrize("build", ["cpu_kernels", "ggml_kernels"])
+def test_the_native_weighted_sum_is_torchs(build):
+    """`moe_sum` of a native build against TorchOps' index_add_: float32 bit for bit (the
+    pairs added in their order, as transformers adds them); bf16 within a rounding (each
+    product rounded alike, the sum kept in float32 and rounded once)."""
+    import engine.kernels as kernels
+
+    native = getattr(kernels, build)()
+    if native is None:
+        pytest.skip(f"no {build} build on this CPU")
+    g = torch.Generator().manual_seed(1)
+    counts, tokens_n = [3, 1, 5, 2], 6
+    tokens = torch.randint(0, tokens_n, (sum(counts),), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        ys = [torch.randn(n, 64, generator=g).to(dtype) for n in counts]
+        weights = torch.rand(sum(counts), generator=g).to(dtype)
+        want = TorchOps(None, activation("silu"), rms_norm).moe_sum(ys, tokens, weights, tokens_n)
+        got = native.moe_sum(ys, tokens, weights, tokens_n)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

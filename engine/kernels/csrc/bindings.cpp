@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row", nogil);
+  m.def("moe_sum", &moe_sum, "a mixture of experts' weighted sum of each token's pairs",
+        py::arg("ys"), py::arg("tokens"), py::arg("weights"), py::arg("num_tokens"), nogil);
 
   m.def("gated_delta_decode", &gated_delta_decode,
         "one Gated DeltaNet decode step per request on its slots of the conv and state pools",

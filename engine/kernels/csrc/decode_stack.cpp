@@ -75,7 +75,7 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   const torch::Tensor flat = chosen.flatten();
   const torch::Tensor order = std::get<1>(flat.sort(c10::optional<bool>(true), 0));
   const torch::Tensor tokens = order.div(top_k, "floor");
-  const torch::Tensor pair_weights = weights.flatten().index_select(0, order).unsqueeze(1);
+  const torch::Tensor pair_weights = weights.flatten().index_select(0, order);
   const torch::Tensor counts = torch::bincount(flat, {}, router.size(0));
   const int64_t* count = counts.data_ptr<int64_t>();
   // The pairs' rows of x sorted by expert: each chosen expert's a contiguous run of them.
@@ -89,11 +89,7 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   }
   std::vector<torch::Tensor> hidden = project_each(gate_up, used, xs);
   for (torch::Tensor& h : hidden) h = silu_mul(h);
-  const torch::Tensor ys = torch::cat(project_each(down, used, hidden));
-  // One add per pair, in the pairs' order: each token's experts in ascending order.
-  torch::Tensor out = torch::zeros_like(x);
-  out.index_add_(0, tokens, ys * pair_weights);
-  return out;
+  return moe_sum(project_each(down, used, hidden), tokens, pair_weights, x.size(0));
 }
 
 torch::Tensor DecoderLayer::mlp(const torch::Tensor& x) const {

@@ -24,6 +24,11 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos,
                             torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+// out[t] = the sum, in the pairs' order, of y[p] * weights[p] over the pairs of token t
+// (tokens[p] == t; ys: the pairs' rows, expert by expert), each product rounded to the
+// rows' dtype, the sum in float32 (moe_sum.cpp).
+torch::Tensor moe_sum(const std::vector<torch::Tensor>& ys, const torch::Tensor& tokens,
+                      const torch::Tensor& weights, int64_t num_tokens);
 
 // --- float32, AVX2 (fused_ops_f32.cpp, paged_decode_f32.cpp) ---
 torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
