@@ -56,7 +56,7 @@ AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kern
 	tests/engine/test_quality_gate.py \
 	tests/engine/test_engine_golden.py tests/engine/test_linear.py tests/engine/test_cpu_switch.py \
 	tests/engine/test_sliding_window_attention.py tests/engine/test_batch_invariance.py \
-	tests/engine/test_gated_delta_net.py tests/engine/test_gguf_qwen3_moe.py \
+	tests/engine/test_gated_delta_net.py tests/engine/test_gguf_qwen3_moe.py tests/engine/test_qwen3_moe.py \
 	-k "not test_bfloat16_modes"
 
 test: $(STAMP) chromium
