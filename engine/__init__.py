@@ -42,12 +42,14 @@ MATMUL_CACHE_DEFAULTS_SET = {
 }
 os.environ.update(MATMUL_CACHE_DEFAULTS_SET)
 
-# $PAGEDSERVE_CPU_KERNELS=avx2 (engine.kernels: the AVX2 path on an AVX-512 machine) holds
-# torch's own ops to AVX2 as well, so that path is served as an AVX2-only CPU serves it.
-# Read when torch loads, so only where engine is imported first; a user's setting wins.
-if os.environ.get("PAGEDSERVE_CPU_KERNELS", "").strip().lower() == "avx2":
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+# $PAGEDSERVE_CPU_KERNELS=avx2 or avx512_vnni (engine.kernels: an AVX2-only CPU's or a Cascade
+# Lake's path on a later machine) holds torch's own ops to that ISA as well, so the path is
+# served as such a CPU serves it. Read when torch loads, so only where engine is imported
+# first; a user's setting wins.
+_TORCH_ISA = {"avx2": ("avx2", "AVX2"), "avx512_vnni": ("avx512", "AVX512_CORE_VNNI")}
+if _isa := _TORCH_ISA.get(os.environ.get("PAGEDSERVE_CPU_KERNELS", "").strip().lower()):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _isa[0])
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _isa[1])
 
 _EXPORTS = {
     "LLM": "engine.llm",

@@ -48,6 +48,7 @@ FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 TORCH_OPS = "torch"
 TRITON_OPS = "triton"
 AVX512_OPS = "AVX-512 BF16"
+VNNI512_OPS = "AVX-512 VNNI"  # the float32 build with 512-bit VNNI GGUF kernels
 AVX2_OPS = "AVX2"
 
 
@@ -95,8 +96,8 @@ class ExecutionPlan:
     dtype: torch.dtype  # the activations' (and unquantized weights')
     quantization: Quantization
     attention: str  # the attention backend's registry name, "auto" resolved
-    layer_ops: str  # TORCH_OPS, AVX512_OPS, AVX2_OPS or TRITON_OPS
-    kernels_switch: str  # $PAGEDSERVE_CPU_KERNELS as read (auto, avx2, off)
+    layer_ops: str  # TORCH_OPS, AVX512_OPS, VNNI512_OPS, AVX2_OPS or TRITON_OPS
+    kernels_switch: str  # $PAGEDSERVE_CPU_KERNELS as read (auto, avx2, avx512_vnni, off)
     # Whether decode-only steps may run as one native call (`engine.decode_stack`): native
     # layer ops and the cpu-paged backend. Its row limit is known once the weights are packed.
     decode_stack: bool
@@ -114,7 +115,7 @@ class ExecutionPlan:
         """The native module whose layer ops serve the model, or None (torch's ops)."""
         if self.layer_ops in (TORCH_OPS, TRITON_OPS):
             return None
-        return kernels.cpu_kernels() if self.layer_ops == AVX512_OPS else kernels.ggml_kernels()
+        return kernels.layer_kernels(self.dtype, self.device, self.quantization.layers)
 
     def with_weights(self, weights: str, decode_stack_rows: int) -> ExecutionPlan:
         return dataclasses.replace(self, weights=weights, decode_stack_rows=decode_stack_rows)
@@ -133,7 +134,7 @@ class ExecutionPlan:
                 else f", ${kernels.SWITCH}={self.kernels_switch}"
             )
             parts.append(f"CPU kernels {self.layer_ops}{switch} ({gemm}fused ops{stack})")
-        elif self.kernels_switch in ("avx2", "off") and is_cpu(self.device):
+        elif self.kernels_switch in kernels.SWITCH_SETTINGS[1:] and is_cpu(self.device):
             parts.append(f"torch's layer ops (${kernels.SWITCH}={self.kernels_switch})")
         if self.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
@@ -354,7 +355,7 @@ def _layer_ops(
     module = kernels.layer_kernels(dtype, device, quantization)
     if module is None or (kv_int8 and dtype != torch.float32):
         return TORCH_OPS
-    return AVX512_OPS if module is kernels.cpu_kernels() else AVX2_OPS
+    return kernels.path_name(module)  # AVX512_OPS, VNNI512_OPS or AVX2_OPS
 
 
 def resolve_attention(

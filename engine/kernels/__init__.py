@@ -11,6 +11,8 @@ next start: see `_build_lock` and `_drop_unverified`. ``PAGEDSERVE_CPU_KERNELS=o
 and loads none: torch's ops serve (to rule the kernels out, or where no build should run).
 ``PAGEDSERVE_CPU_KERNELS=avx2`` hides AVX-512 from the detection (`cpu_flags`): an AVX-512
 machine then builds, plans and serves the AVX2 path, so one machine tests both.
+``PAGEDSERVE_CPU_KERNELS=avx512_vnni`` hides what a Cascade Lake Xeon lacks (AVX512-BF16,
+AMX, the later AVX-512 extensions): an AVX-512 BF16 machine then serves that kind's path.
 
 * ``skinny_linear(x, weight, scales, bias)``: decode-sized matmuls (`csrc/skinny_gemm.cpp`)
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)``: decode
@@ -30,9 +32,10 @@ machine then builds, plans and serves the AVX2 path, so one machine tests both.
   `csrc/ggml_q23_k.cpp`, F16/BF16 weights in `csrc/ggml_f16.cpp`), also a `DecodeStack`
   projection
 
-`ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU with AVX2 but
-not AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and
-decode stack (`AVX2_SOURCES`), which serve a GGUF with float32 activations there.
+`ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU without
+AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and decode
+stack (`AVX2_SOURCES`), which serve a GGUF with float32 activations there: with 512-bit VNNI
+integer dots where the CPU has AVX512-VNNI (Cascade Lake, Ice Lake), else AVX2's `maddubs`.
 `layer_kernels(dtype, device, quantization)` says which module, if any, a model's layers use.
 """
 
@@ -96,12 +99,23 @@ def cpu_flags() -> frozenset[str]:
     return visible_flags(_reported_flags(), switch())
 
 
+# What a Cascade Lake Xeon has of AVX-512 (Skylake-SP's and VNNI); Ice Lake adds extensions
+# (VBMI, VPOPCNTDQ...) that no kernel here uses.
+CASCADE_LAKE_AVX512 = frozenset(
+    {"avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"}
+)
+
+
 def visible_flags(flags: frozenset[str], setting: str) -> frozenset[str]:
     """``flags`` as the kernels and the config see them: the AVX2 path hides AVX-512 and
-    AMX, so an AVX-512 machine plans, builds and serves exactly as an AVX2-only one."""
-    if setting != "avx2":
-        return flags
-    return frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    AMX, so an AVX-512 machine plans, builds and serves exactly as an AVX2-only one; the
+    avx512_vnni path keeps only a Cascade Lake's AVX-512 (no BF16, no AMX, no AVX-VNNI)."""
+    if setting == "avx2":
+        return frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    if setting == "avx512_vnni":
+        later = ("avx512", "amx", "avx_vnni")
+        return frozenset(f for f in flags if not f.startswith(later) or f in CASCADE_LAKE_AVX512)
+    return flags
 
 
 def _reported_flags() -> frozenset[str]:
@@ -120,6 +134,11 @@ def cpu_kernels_supported() -> bool:
 
 
 GGML_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# AVX-512 with VNNI and without BF16 (Cascade Lake, Ice Lake): the same sources as the AVX2
+# build, whose GGUF kernels then take their AVX-512 VNNI tiles (`vpdpbusd` on 64 bytes), the
+# ones the BF16 build runs, on float32 activations.
+VNNI512_KERNEL_FLAGS = GGML_KERNEL_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+_VNNI512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 # -ffp-contract=off: dequantization must round exactly as ggml does (no fused multiply-add
 # the source does not write); the other kernels write their FMAs out as intrinsics.
 _GGML_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
@@ -147,8 +166,9 @@ def _build_lock(directory: Path) -> Iterator[None]:
 
 SWITCH = "PAGEDSERVE_CPU_KERNELS"
 # auto: the kernels this CPU runs best; avx2: the AVX2 path on any CPU that has AVX2 (to
-# serve or test an AVX2-only machine's path on an AVX-512 one); off: torch's ops only.
-SWITCH_SETTINGS = ("auto", "avx2", "off")
+# serve or test an AVX2-only machine's path on an AVX-512 one); avx512_vnni: a Cascade Lake
+# Xeon's path on any CPU with AVX512-VNNI; off: torch's ops only.
+SWITCH_SETTINGS = ("auto", "avx2", "avx512_vnni", "off")
 _OFF_SPELLINGS = ("0", "off", "false", "no")
 
 
@@ -221,17 +241,28 @@ def _record_libraries(directory: Path) -> None:
     tmp.replace(directory / _CHECKSUMS)
 
 
+# The builds of `AVX2_SOURCES` for CPUs without AVX512-BF16, best first: (the path's name,
+# the extension's, the flags it needs, its compiler flags).
+FLOAT32_BUILDS = (
+    ("AVX-512 VNNI", "pagedserve_vnni512_kernels", VNNI512_KERNEL_FLAGS,
+     [*_GGML_CFLAGS, *_VNNI512_CFLAGS]),
+    ("AVX2", "pagedserve_avx2_kernels", GGML_KERNEL_FLAGS, _GGML_CFLAGS),
+)  # fmt: skip
+
+
 @lru_cache(maxsize=1)
 def ggml_kernels() -> ModuleType | None:
-    """The GGUF block kernels and the float32 layer ops and decode stack: the AVX-512
-    module where it builds, else the AVX2 build (`AVX2_SOURCES`); None where the CPU lacks
-    AVX2/FMA/F16C or they do not build (then a GGUF's weights are dequantized at load)."""
+    """The GGUF block kernels and the float32 layer ops and decode stack: the AVX-512 BF16
+    module where it builds, else the best of `FLOAT32_BUILDS` this CPU runs and builds;
+    None where the CPU lacks AVX2/FMA/F16C or none builds (then a GGUF's weights are
+    dequantized at load)."""
     if (kernels := cpu_kernels()) is not None:
         return kernels
-    if not cpu_flags() >= GGML_KERNEL_FLAGS:
-        return None
     sources = [CSRC / source for source in AVX2_SOURCES]
-    return _build("pagedserve_avx2_kernels", sources, _GGML_CFLAGS)
+    for _, name, flags, cflags in FLOAT32_BUILDS:
+        if cpu_flags() >= flags and (module := _build(name, sources, cflags)) is not None:
+            return module
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -243,10 +274,17 @@ def cpu_kernels() -> ModuleType | None:
     return _build("pagedserve_cpu_kernels", sources, [*_GGML_CFLAGS, *_ISA_CFLAGS])
 
 
+def path_name(module: ModuleType) -> str:
+    """Which CPU path a kernels module is: "AVX-512 BF16", "AVX-512 VNNI" or "AVX2" (by its
+    extension's name: a test may hide a module from `cpu_kernels` and still hold it)."""
+    builds = [("AVX-512 BF16", "pagedserve_cpu_kernels"), *(b[:2] for b in FLOAT32_BUILDS)]
+    return next(path for path, name in builds if module.__name__.startswith(name))
+
+
 def build_name(module: ModuleType) -> str:
-    """Which CPU path a kernels module is, as the start-up line names it."""
-    name = "AVX-512 BF16" if module is cpu_kernels() else "AVX2"
-    return f"{name}, ${SWITCH}=avx2" if switch() == "avx2" else name
+    """The path as the start-up line names it, with the switch where it is set."""
+    name = path_name(module)
+    return name if switch() == "auto" else f"{name}, ${SWITCH}={switch()}"
 
 
 def host_kernels(device: torch.device | str) -> ModuleType | None:

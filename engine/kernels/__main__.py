@@ -10,12 +10,17 @@ from engine.kernels import (
     cpu_kernels,
     cpu_kernels_supported,
     ggml_kernels,
+    path_name,
     switch,
 )
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 if not cpu_kernels_supported():
-    why = "$PAGEDSERVE_CPU_KERNELS=avx2" if switch() == "avx2" else "this CPU has no AVX512-BF16"
+    why = (
+        f"$PAGEDSERVE_CPU_KERNELS={switch()}"
+        if switch() != "auto"
+        else "this CPU has no AVX512-BF16"
+    )
     print(f"CPU kernels: AVX-512 build skipped ({why}: bf16 takes torch's ops)")
 elif cpu_kernels() is None:
     print("CPU kernels: build failed (see the warning above); torch's ops serve")
@@ -26,4 +31,7 @@ if not cpu_flags() >= GGML_KERNEL_FLAGS:
 elif ggml_kernels() is None:
     print("GGUF kernels: build failed (see the warning above); GGUF weights are dequantized")
 else:
-    print("GGUF kernels: built (with the float32 layer ops and decode stack that serve them)")
+    print(
+        f"GGUF kernels: built, {path_name(ggml_kernels())} (with the float32 layer ops and "
+        "decode stack that serve them)"
+    )

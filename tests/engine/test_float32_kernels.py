@@ -16,7 +16,7 @@ from engine.attention.cpu_paged import KERNEL_MAX_QUERY
 from engine.attention.reference import reference_paged_attention
 from engine.config import EngineConfig
 from engine.execution_plan import ModelShape, resolve_attention
-from engine.kernels import ggml_kernels, layer_kernels, switch
+from engine.kernels import build_name, ggml_kernels, layer_kernels, switch
 from engine.models.layer_ops import TorchOps, rms_norm
 from engine.models.rotary import apply_rotary
 from tests.engine.gguf_models import write_mixed_gguf
@@ -166,8 +166,10 @@ def float32_gguf_llm(float32_gguf) -> LLM:
 def test_a_float32_gguf_decodes_through_the_stack_bit_for_bit(float32_gguf_llm, batch, query_len):
     """Decodes, and short queries over a cached prefix (kernel rows: the stack takes them)."""
     summary = float32_gguf_llm.engine.core.compute_summary
-    # (The plan names the switch when `make test`'s AVX2 pass sets it.)
-    build = "AVX2, $PAGEDSERVE_CPU_KERNELS=avx2" if switch() == "avx2" else "AVX2"
+    # The build that serves: this CPU's, or the one `make test`'s AVX2 or VNNI pass forces
+    # (the plan then names the switch).
+    build = build_name(ggml_kernels())
+    assert build.endswith(f"$PAGEDSERVE_CPU_KERNELS={switch()}") or switch() == "auto"
     assert summary.startswith(f"attention cpu-paged, CPU kernels {build} (fused ops, decode stack)")
     assert "Q4_K x" in summary, summary
     _assert_stack_equals_python_layers(float32_gguf_llm, batch, query_len)

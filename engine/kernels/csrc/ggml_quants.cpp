@@ -1046,9 +1046,6 @@ void pairs_dot_legacy(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#endif
-
 template <typename Out>
 void group_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, Out* y, int64_t ldy) {
