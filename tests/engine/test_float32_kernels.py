@@ -127,6 +127,30 @@ def test_cpu_paged_takes_short_queries_as_kernel_rows_and_long_ones_through_sdpa
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_decode_over_shared_prefixes_gives_each_request_its_alone_result():
+    """The kernel runs the tasks that read one cached block together (requests sharing a
+    prefix, whatever their order in the step) and splits them between threads by keys:
+    each request's output is still its own, bit for bit what it gets alone."""
+    torch.manual_seed(3)
+    blocks, block_size, kv_heads, heads, dim = 64, 16, 2, 8, 64
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    prefixes = [list(range(0, 20)), list(range(20, 37))]  # 320 and 272 tokens of blocks
+    tables, lens = torch.zeros(9, 24, dtype=torch.int32), []
+    for r in range(9):  # alternating prefixes, each with blocks of its own after it
+        row = prefixes[r % 2] + [37 + 3 * r, 38 + 3 * r]
+        tables[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        lens.append(len(prefixes[r % 2]) * block_size + 5 + r)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(9, heads, dim)
+    kernel = ggml_kernels()
+    together = kernel.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    for r in range(9):
+        alone = kernel.paged_decode_attention(q[r : r + 1], k_cache, v_cache, tables[r : r + 1],
+                                              seq_lens[r : r + 1], 0.125)  # fmt: skip
+        assert torch.equal(together[r : r + 1], alone), r
+
+
 def test_paged_decode_kernel_rejects_what_it_cannot_attend():
     kernel = ggml_kernels()
     tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)

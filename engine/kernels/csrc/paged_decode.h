@@ -81,6 +81,31 @@ inline int64_t first_key(int64_t len, int64_t window) {
   return window > 0 && len > window ? len - window : 0;
 }
 
+// One task: request r's query heads on KV head g over context tokens [start, stop).
+struct Task {
+  int64_t r, g, start, stop;
+};
+
+// The order to run `tasks` in: those that start on the same cached block (requests that
+// share a prefix, on one KV head) one after the other, so that the chunk's rows come from
+// memory once and from the core's cache for the others. In request order, requests on two
+// prefixes alternate and each prefix's rows (about 1 MB a layer for 500 tokens of a 1B
+// model's float32 cache) fall out of L2 before the next request reads them. Order only: a
+// task's arithmetic, and so the output, does not change.
+template <typename T, typename KV>
+std::vector<int64_t> shared_reads_first(const Problem<T, KV>& p, const std::vector<Task>& tasks) {
+  std::vector<int64_t> order(tasks.size());
+  std::vector<int64_t> key(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const Task& t = tasks[i];
+    const int64_t block = p.tables[t.r * p.max_blocks + t.start / p.block_size];
+    key[i] = block * p.kv_heads + t.g;
+    order[i] = int64_t(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+  return order;
+}
+
 // Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
 // every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
 // `lanes`: the head_dim multiple the caller's vectors need.
@@ -123,15 +148,32 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
   const int64_t part_floats = Partial::floats(p.group, D);
   std::unique_ptr<float[]> parts(new float[first_task[N] * part_floats]);  // not zeroed
-  at::parallel_for(0, first_task[N], 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = std::upper_bound(first_task.begin(), first_task.end(), task) -
-                        first_task.begin() - 1;
-      const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
-      const int64_t local = task - first_task[r], g = local / chunks, c = local % chunks;
+  std::vector<Task> tasks(first_task[N]);
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t chunks = (first_task[r + 1] - first_task[r]) / KVH;
+    for (int64_t local = 0; local < first_task[r + 1] - first_task[r]; ++local) {
+      const int64_t g = local / chunks, c = local % chunks;
       const int64_t start = first_key(p.seq_lens[r], window) + c * kChunkTokens;
       const int64_t stop = std::min<int64_t>(start + kChunkTokens, p.seq_lens[r]);
-      attend(p, r, g, start, stop, Partial(parts.get() + task * part_floats, p.group));
+      tasks[first_task[r] + local] = {r, g, start, stop};
+    }
+  }
+  const std::vector<int64_t> order = shared_reads_first(p, tasks);
+  // Each thread a run of `order` of about equal keys (sorted by block, the short last chunks
+  // of the requests come together: an equal count of tasks would leave one thread idle).
+  std::vector<int64_t> keys_before(order.size() + 1, 0);
+  for (size_t i = 0; i < order.size(); ++i)
+    keys_before[i + 1] = keys_before[i] + tasks[order[i]].stop - tasks[order[i]].start + kChunkTokens / 16;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    const auto at_share = [&](int64_t w) {
+      return std::lower_bound(keys_before.begin(), keys_before.end() - 1,
+                              keys_before.back() * w / workers) - keys_before.begin();
+    };
+    for (int64_t i = at_share(w0); i < at_share(w1); ++i) {
+      const int64_t task = order[i];
+      const Task& t = tasks[task];
+      attend(p, t.r, t.g, t.start, t.stop, Partial(parts.get() + task * part_floats, p.group));
     }
   });
   // Merge each (request, KV head)'s chunks and normalise (in parallel: a step of prefill
