@@ -28,7 +28,7 @@ AMX, the later AVX-512 extensions): an AVX-512 BF16 machine then serves that kin
   logits, -inf elsewhere (`csrc/token_bitmask.cpp`)
 
 * ``ggml_dequantize``, ``ggml_linear``: GGUF weights served from their own blocks
-  (`csrc/ggml_quants.cpp`; IQ4_NL/IQ4_XS in `csrc/ggml_iq4.cpp`, Q2_K/Q3_K in
+  (`csrc/ggml_quants.cpp`; IQ4_NL/IQ4_XS/MXFP4 in `csrc/ggml_table4.cpp`, Q2_K/Q3_K in
   `csrc/ggml_q23_k.cpp`, F16/BF16 weights in `csrc/ggml_f16.cpp`), also a `DecodeStack`
   projection
 
@@ -70,7 +70,7 @@ AVX2_SOURCES = (
     "moe_sum.cpp",
     "ggml_quants.cpp",
     "gated_delta_net.cpp",
-    "ggml_iq4.cpp",
+    "ggml_table4.cpp",
     "ggml_q23_k.cpp",
     "ggml_f16.cpp",
 )

@@ -33,13 +33,17 @@ def random_blocks(
     qtype: T, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.05
 ) -> np.ndarray:
     """uint8 ``[rows, bytes per row]``: random quants and 6-bit scales, f16 scales drawn in
-    ``[-scale, scale]`` (random bytes there could be inf or NaN)."""
+    ``[-scale, scale]`` (random bytes there could be inf or NaN), MXFP4's power-of-two scale
+    bytes near ``scale`` / 12."""
     if qtype == T.BF16:  # the top halves of float32 values in [-scale, scale]
         dense = rng.uniform(-scale, scale, size=(rows, cols)).astype(np.float32)
         return (dense.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     values, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
-    for offset in _F16_SCALES[qtype]:
+    if qtype == T.MXFP4:  # byte 0, a power of two 2^(e - 128), times levels up to 12
+        top = 128 + int(np.floor(np.log2(scale / 12)))
+        blocks[..., 0] = rng.integers(top - 3, top + 1, size=blocks.shape[:2], dtype=np.uint8)
+    for offset in _F16_SCALES.get(qtype, ()):
         d = rng.uniform(-scale, scale, size=blocks.shape[:2]).astype(np.float16)
         blocks[..., offset : offset + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
@@ -216,6 +220,7 @@ def write_family_gguf(
     template: str | None = None,
     qtype: T | None = None,
     mtp: bool = False,
+    expert_qtype: T | None = None,
 ) -> Path:
     """``model`` (a tiny transformers CausalLM) as an F32 GGUF with ``vocab``'s tokenizer,
     the keys and tensors as llama.cpp's convert_hf_to_gguf writes them for its family:
@@ -224,7 +229,9 @@ def write_family_gguf(
     linear attention as `_qwen35_tensor` says. ``qtype``: its 2-D weights in that type
     (the gguf package quantizes the legacy types), as ``--outtype`` has them. ``mtp``
     (Qwen3.5): a multi-token-prediction block after the layers, as the converter writes a
-    checkpoint's `mtp.*` without --no-mtp (random values: transformers' model has none)."""
+    checkpoint's `mtp.*` without --no-mtp (random values: transformers' model has none).
+    ``expert_qtype``: a mixture's expert tensors in that type instead (MXFP4 experts beside
+    Q8_0 weights: llama-quantize's MXFP4_MOE)."""
     import gguf
 
     config = model.config
@@ -278,9 +285,10 @@ def write_family_gguf(
             tensor, name = _qwen35_tensor(tensor.detach().float(), name, config)
         if ".mlp." in name and arch == "qwen3moe":  # the router, each projection stacked
             for gguf_name, data in _qwen3moe_tensors(tensor.detach().float().numpy(), name):
-                quantize = qtype is not None and data.ndim == 3
-                w.add_tensor(gguf_name, quants.quantize(data, qtype) if quantize else data,
-                             raw_dtype=qtype if quantize else None)  # fmt: skip
+                experts = expert_qtype or qtype
+                quantize = experts is not None and data.ndim == 3
+                w.add_tensor(gguf_name, quants.quantize(data, experts) if quantize else data,
+                             raw_dtype=experts if quantize else None)  # fmt: skip
             continue
         data = tensor.detach().float().numpy().copy()
         stem, _, kind = name.rpartition(".")

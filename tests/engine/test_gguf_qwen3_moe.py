@@ -25,6 +25,7 @@ from engine.gguf_config import gguf_config
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import GGUFTensor, read_tensors
 from engine.loader import gguf_shapes
+from engine.perplexity import text_logits
 from tests.engine.gguf_models import bpe_vocab, write_family_gguf
 from tests.engine.test_engine_golden import engine_greedy, hf_greedy
 
@@ -78,7 +79,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3moe")
     model, vocab = _model(), bpe_vocab("qwen2")
     return {"f32": write_family_gguf(root / "f32.gguf", model, vocab),
-            "q8_0": write_family_gguf(root / "q8_0.gguf", model, vocab, qtype=T.Q8_0)}  # fmt: skip
+            "q8_0": write_family_gguf(root / "q8_0.gguf", model, vocab, qtype=T.Q8_0),
+            "mxfp4": write_family_gguf(root / "mxfp4.gguf", model, vocab, qtype=T.Q8_0,
+                                       expert_qtype=T.MXFP4)}  # fmt: skip
 
 
 def test_config_is_the_models_own(files):
@@ -128,6 +131,24 @@ def test_the_engine_serves_the_file_with_transformers_greedy_tokens(files, tmp_p
     assert plan.weights.startswith("projections Q8_0 x")  # the experts from their blocks
     assert "dequantized" not in plan.weights
     assert len(engine_greedy(q8, prompts, 12)[0]) == 12
+
+
+def test_mxfp4_experts_serve_from_their_blocks(files, tmp_path):
+    # llama-quantize's MXFP4_MOE mix (gpt-oss' downloads): the experts in MXFP4, the rest
+    # Q8_0. The experts stay the file's 17-byte blocks, and the logits are those of the
+    # same file's weights made float32, within int8-activation rounding.
+    weights = dict(read_tensors(files["mxfp4"]))
+    experts = [w for name, w in weights.items() if ".experts." in name]
+    assert len(experts) == 2 * 8 * 3 and all(w.type == T.MXFP4 and w.mapped for w in experts)
+    llm = LLM(model=str(files["mxfp4"]), block_size=4, num_blocks=128, cache_dir=str(tmp_path))
+    plan = llm.engine.core.config.plan
+    assert "MXFP4 x" in plan.weights and "dequantized" not in plan.weights, plan.weights
+    exact = LLM(model=str(files["mxfp4"]), dtype="float32", block_size=4, num_blocks=128,
+                cache_dir=str(tmp_path))  # fmt: skip
+    ids = list(range(40, 90))
+    got = torch.cat([logits for logits, _ in text_logits(llm.engine, ids)])
+    reference = torch.cat([logits for logits, _ in text_logits(exact.engine, ids)])
+    assert ((got - reference).norm() / reference.norm()).item() < 0.03
 
 
 def test_a_file_with_fewer_experts_than_it_says_is_refused(files, tmp_path):

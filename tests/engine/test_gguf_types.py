@@ -1,6 +1,6 @@
 """The GGUF types that low-memory files hold (issue 67), served from their own blocks as the
-other formats are (tests/engine/test_gguf.py): IQ4_NL and IQ4_XS (a 16-level int8 table),
-Q3_K and Q2_K; and F16 and BF16 weights, kept in their 16 bits. Each decodes bit for bit as
+other formats are (tests/engine/test_gguf.py): IQ4_NL, IQ4_XS and MXFP4 (a 16-level int8
+table), Q3_K and Q2_K; and F16 and BF16 weights, kept in their 16 bits. Each decodes bit for bit as
 the `gguf` package's reference does, multiplies within int8-activation rounding (float
 rounding for F16 and BF16) of its dequantized weights at decode and prefill sizes (in the
 file's layout and regrouped by 8 rows), and a GGUF holding it loads with the start-up line
@@ -22,7 +22,7 @@ from tests.engine.gguf_models import random_blocks, write_layers_gguf
 from tests.engine.test_decode_stack import _assert_stack_equals_python_layers
 
 pytestmark = pytest.mark.skipif(ggml_kernels() is None, reason="the GGUF kernels need AVX2")
-TYPES = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
+TYPES = (T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.Q3_K, T.Q2_K)
 REGROUPED = TYPES  # each regrouped by 8 rows at load (a multiple of 8 rows)
 
 
@@ -41,14 +41,26 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint32)
 
 
+def _with_edge_scales(blocks: np.ndarray, qtype: T, largest: bool = True) -> np.ndarray:
+    """MXFP4: a few blocks with the scale bytes ggml decodes apart (0 and 1: subnormal
+    scales; 254 and 255 the largest, some of whose values overflow to inf, as ggml's do)."""
+    edges = [(0, 0), (3, 1), (5, 254), (7, 255)] if largest else [(0, 0), (3, 1)]
+    for row, (block, e) in enumerate(edges if qtype == T.MXFP4 else []):
+        blocks[row, 17 * block] = e
+    return blocks
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_blocks_decode_as_the_gguf_reference_bit_for_bit(qtype):
     assert qtype in NATIVE_TYPES
     cols = _cols(qtype)
     blocks = random_blocks(qtype, 24, cols, np.random.default_rng(int(qtype)))
+    blocks = _with_edge_scales(blocks, qtype)
     kernels = ggml_kernels()
     got = kernels.ggml_dequantize(torch.from_numpy(blocks), int(qtype), cols)
-    np.testing.assert_array_equal(_bits(got), quants.dequantize(blocks, qtype).view(np.uint32))
+    with np.errstate(over="ignore"):  # MXFP4's largest scales: inf, as ggml's
+        reference = quants.dequantize(blocks, qtype)
+    np.testing.assert_array_equal(_bits(got), reference.view(np.uint32))
     rows = torch.tensor([5, 0, 23, 5])  # the embedding's path: rows by token id
     assert torch.equal(kernels.ggml_dequantize(torch.from_numpy(blocks), int(qtype), cols, rows),
                        got[rows])  # fmt: skip
@@ -61,12 +73,13 @@ def test_blocks_decode_as_the_gguf_reference_bit_for_bit(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_products_match_the_dequantized_weights(qtype, dtype):
-    # int8 activations per 32 values (IQ4_NL, IQ4_XS's sub-blocks) or 256 (Q3_K, Q2_K):
+    # int8 activations per 32 values (IQ4_NL, IQ4_XS's sub-blocks, MXFP4) or 256 (Q3_K, Q2_K):
     # within test_gguf.py's 1.5% of the dense product, at decode (1), verify-sized (7) and
     # prefill-sized (64) rows. 48 rows: a pair of 8-row groups and one alone (AVX-512's wide
     # path and its rest); 44: not a multiple of 8, so the file's layout.
     cols = _cols(qtype)
-    blocks = torch.from_numpy(random_blocks(qtype, 48, cols, np.random.default_rng(5)))
+    blocks = random_blocks(qtype, 48, cols, np.random.default_rng(5))
+    blocks = torch.from_numpy(_with_edge_scales(blocks, qtype, largest=False))
     dense = torch.from_numpy(quants.dequantize(blocks.numpy(), qtype))
     kernels = ggml_kernels()
     layouts = [(blocks, int(qtype), 48), (*kernels.ggml_repack(blocks, int(qtype), cols), 48),
@@ -89,14 +102,17 @@ def test_products_match_the_dequantized_weights(qtype, dtype):
 @pytest.mark.parametrize("int8_value", [127, -128])
 def test_the_largest_sums_do_not_overflow(qtype, int8_value):
     # Every value at its extreme (every quant bit and 6-bit scale set; IQ4's scale bytes at
-    # +-127 ... -128, Q2_K's mins at 15), times +-1 activations (which quantize to +-127
-    # exactly): the sums a saturating int16 would break.
+    # +-127 ... -128, Q2_K's mins at 15; MXFP4's levels all +12 or all -12), times +-1
+    # activations (which quantize to +-127 exactly): the sums a saturating int16 would break.
     values, size = GGML_QUANT_SIZES[qtype]
     cols, rows = 512, 16
-    raw = np.full((rows, cols // values, size), np.uint8(int8_value & 0xFF), np.uint8)
+    byte = (0x77 if int8_value > 0 else 0xFF) if qtype == T.MXFP4 else int8_value & 0xFF
+    raw = np.full((rows, cols // values, size), np.uint8(byte), np.uint8)
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
-    for offset in {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}[qtype]:
+    for offset in {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}.get(qtype, ()):
         raw[..., offset : offset + 2] = one
+    if qtype == T.MXFP4:
+        raw[..., 0] = 128  # a scale of 1
     blocks = torch.from_numpy(raw.reshape(rows, -1).copy())
     weights = ggml_kernels().ggml_dequantize(blocks, int(qtype), cols).double()
     signs = torch.ones(4, cols, dtype=torch.float64)
@@ -130,11 +146,13 @@ def test_half_weights_decode_exactly_and_multiply_in_float(qtype, dtype):
 
 # Layer 0 mixes the new types where SmolLM2's shapes allow (576 columns: IQ4_NL only; the down
 # projection's 1536: the 256-value types); layers 1-2 put the other 256-value types there,
-# and F16 and BF16 weights beside them (in fused projections with other types, and alone).
+# MXFP4 (quantized from the real weights by the gguf package) and F16 and BF16 weights
+# beside them (in fused projections with other types, and alone).
 LAYERS = (
     {"attn_q": T.IQ4_NL, "attn_k": T.IQ4_NL, "attn_v": T.IQ4_NL, "attn_output": T.IQ4_NL,
      "ffn_gate": T.IQ4_NL, "ffn_up": T.IQ4_NL, "ffn_down": T.IQ4_XS},
-    {"attn_q": T.Q4_0, "ffn_down": T.Q3_K},
+    {"attn_q": T.Q4_0, "attn_k": T.MXFP4, "attn_output": T.MXFP4, "ffn_up": T.MXFP4,
+     "ffn_down": T.Q3_K},
     {"attn_q": T.Q4_0, "attn_k": T.F16, "attn_v": T.BF16, "ffn_gate": T.F16, "ffn_up": T.F16,
      "ffn_down": T.Q2_K},
 )  # fmt: skip
@@ -150,7 +168,7 @@ def test_a_gguf_of_these_types_serves_from_its_blocks(types_gguf, tmp_path):
     path = types_gguf
     native = LLM(model=str(path), cache_dir=str(tmp_path), num_blocks=32)
     summary = native.engine.core.compute_summary
-    for name in ("IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16", "BF16"):
+    for name in ("IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K", "F16", "BF16"):
         assert f"{name} x" in summary, (name, summary)
     assert "dequantized" not in summary and "embedding IQ4_NL" in summary, summary
     # The 16-bit weights stay the file's 2 bytes a weight (a float32 copy would be 4).

@@ -1,8 +1,8 @@
 // What the GGUF block kernels share across their files (ggml_quants.cpp: the legacy types,
-// Q4_K, Q5_K, Q6_K and the entry points; ggml_iq4.cpp: IQ4_NL and IQ4_XS; ggml_q23_k.cpp:
-// Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8 activation blocks, the
-// integer-dot helpers of both builds (AVX2, and AVX512-VNNI where compiled for), and the
-// per-row kernel loop.
+// Q4_K, Q5_K, Q6_K and the entry points; ggml_table4.cpp: IQ4_NL, IQ4_XS and MXFP4;
+// ggml_q23_k.cpp: Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8
+// activation blocks, the integer-dot helpers of both builds (AVX2, and AVX512-VNNI where
+// compiled for), and the per-row kernel loop.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,13 +20,15 @@ namespace pagedserve_ggml {
 // file type's (not ggml types: ids of our own, see ggml_quants.cpp's Q4_0x8).
 enum GgmlType : int64_t {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
 };
 constexpr int64_t kRegrouped = 1000;
 // IQ4_NL regrouped by 8 rows: Q4_0x8's layout (ggml_quants.cpp), whose block it shares (an f16
-// d and 16 bytes of nibbles); IQ4_XS regrouped (see ggml_iq4.cpp), 1104 bytes a column.
+// d and 16 bytes of nibbles); IQ4_XS and MXFP4 regrouped (see ggml_table4.cpp), 1104 and 136
+// bytes a column.
 constexpr int64_t IQ4_NLx8 = kRegrouped + IQ4_NL;
 constexpr int64_t IQ4_XSx8 = kRegrouped + IQ4_XS;
+constexpr int64_t MXFP4x8 = kRegrouped + MXFP4;
 constexpr int64_t kIQ4XSColumn = 1104;
 // Q2_K and Q3_K regrouped (see ggml_q23_k.cpp): 672 and 912 bytes a super-block column.
 constexpr int64_t Q2_Kx8 = kRegrouped + Q2_K;
@@ -260,15 +262,17 @@ void segment_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a
 // ---------------------------------------------------------------- the other format files
 // Each takes its file types and their regrouped ids (`kRegrouped` + type).
 
-// ggml_iq4.cpp: IQ4_NL and IQ4_XS (values from a 16-entry int8 table, 32 activations a block)
-void iq4_dequantize_block(int64_t type, const uint8_t* b, float* y);
-void iq4_dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols, float* y);
-void iq4_repack(int64_t type, const uint8_t* src, int64_t stride, int64_t blocks, uint8_t* group,
-                int64_t g);
-void iq4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
-              float* y, int64_t ldy);
-void iq4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M, int64_t K,
-              at::BFloat16* y, int64_t ldy);
+// ggml_table4.cpp: IQ4_NL, IQ4_XS and MXFP4 (values from a 16-entry int8 table, 32
+// activations a block)
+void table4_dequantize_block(int64_t type, const uint8_t* b, float* y);
+void table4_dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
+                                 float* y);
+void table4_repack(int64_t type, const uint8_t* src, int64_t stride, int64_t blocks,
+                   uint8_t* group, int64_t g);
+void table4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                 int64_t K, float* y, int64_t ldy);
+void table4_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                 int64_t K, at::BFloat16* y, int64_t ldy);
 
 // ggml_f16.cpp: F16 and BF16 weights (32-value "blocks" of 64 bytes), on float32 activations
 void f16_dequantize_block(int64_t type, const uint8_t* b, float* y);

@@ -1,8 +1,8 @@
 // GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold), and the entry points for every
-// type: the other format families live in their own files (ggml_iq4.cpp: IQ4_NL, IQ4_XS;
-// ggml_q23_k.cpp: Q2_K, Q3_K; ggml_f16.cpp: F16, BF16 weights), with what all share in
-// ggml_common.h.
+// type: the other format families live in their own files (ggml_table4.cpp: IQ4_NL, IQ4_XS,
+// MXFP4; ggml_q23_k.cpp: Q2_K, Q3_K; ggml_f16.cpp: F16, BF16 weights), with what all share
+// in ggml_common.h.
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
 // Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K regrouped 8 rows at a time at load, see Q4_0x8
@@ -107,6 +107,8 @@ Format format_of(int64_t type) {
     case IQ4_XS: return {256, 136};
     case IQ4_NLx8: return {32, 18 * kGroupRows};
     case IQ4_XSx8: return {256, kIQ4XSColumn};
+    case MXFP4: return {32, 17};
+    case MXFP4x8: return {32, 17 * kGroupRows};
     case Q2_Kx8: return {256, 672};
     case Q3_Kx8: return {256, 912};
     case Q4_0x8: return {32, 18 * kGroupRows};  // bytes per block column of a group
@@ -122,8 +124,8 @@ Format format_of(int64_t type) {
 
 inline bool grouped(int64_t type) {
   return type == Q4_0x8 || type == Q4_1x8 || type == Q5_0x8 || type == Q5_1x8 ||
-         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8 || type == IQ4_NLx8 || type == IQ4_XSx8 || type == Q2_Kx8 ||
-         type == Q3_Kx8;
+         type == Q8_0x8 || type == Q4_Kx8 || type == Q6_Kx8 || type == IQ4_NLx8 || type == IQ4_XSx8 ||
+         type == MXFP4x8 || type == Q2_Kx8 || type == Q3_Kx8;
 }
 
 // Whether a type's products take the 256-value activation blocks (the K-quants'), not the
@@ -171,7 +173,8 @@ void dequantize_k(float d, float dmin, const uint8_t* sm, const uint8_t* qs, con
 void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
     case IQ4_NL:
-    case IQ4_XS: return iq4_dequantize_block(type, b, y);
+    case IQ4_XS:
+    case MXFP4: return table4_dequantize_block(type, b, y);
     case Q2_K:
     case Q3_K: return q23_k_dequantize_block(type, b, y);
     case F16:
@@ -259,7 +262,8 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t cols, float* y) {
 // Row r (0-7) of a repacked group: each block's parts gathered back from the group first.
 void dequantize_group_row(int64_t type, const uint8_t* group, int64_t r, int64_t cols,
                           float* y) {
-  if (type == IQ4_NLx8 || type == IQ4_XSx8) return iq4_dequantize_group_row(type, group, r, cols, y);
+  if (type == IQ4_NLx8 || type == IQ4_XSx8 || type == MXFP4x8)
+    return table4_dequantize_group_row(type, group, r, cols, y);
   if (type == Q2_Kx8 || type == Q3_Kx8) return q23_k_dequantize_group_row(type, group, r, cols, y);
   if (type == Q8_0x8) {
     uint8_t block[34];
@@ -1112,7 +1116,9 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     case IQ4_NL:
     case IQ4_XS:
     case IQ4_NLx8:
-    case IQ4_XSx8: return iq4_rows(s, n0, n1, a, M, K, y, ldy);
+    case IQ4_XSx8:
+    case MXFP4:
+    case MXFP4x8: return table4_rows(s, n0, n1, a, M, K, y, ldy);
     case Q2_K:
     case Q3_K:
     case Q2_Kx8:
@@ -1365,7 +1371,7 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   check_blocks(w, type, cols);
   const bool regroups = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 ||
                         type == Q8_0 || type == Q4_K || type == Q6_K || type == IQ4_NL ||
-                        type == IQ4_XS || type == Q2_K || type == Q3_K;
+                        type == IQ4_XS || type == MXFP4 || type == Q2_K || type == Q3_K;
   if (!regroups || w.size(0) % kGroupRows) return {w, type};
   const int64_t grouped_type = 1000 + type;
   const Format f = format_of(grouped_type);
@@ -1376,8 +1382,8 @@ std::tuple<torch::Tensor, int64_t> ggml_repack(torch::Tensor w, int64_t type, in
   const int64_t stride = w.stride(0), group_bytes = out.size(1);
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      if (type == IQ4_NL || type == IQ4_XS) {
-        iq4_repack(type, src, stride, blocks, dst + g * group_bytes, g);
+      if (type == IQ4_NL || type == IQ4_XS || type == MXFP4) {
+        table4_repack(type, src, stride, blocks, dst + g * group_bytes, g);
         continue;
       }
       if (type == Q2_K || type == Q3_K) {
