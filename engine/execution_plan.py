@@ -77,6 +77,7 @@ class ModelShape(NamedTuple):
     kv_cache_groups: int = 1
     recurrent: bool = False  # layers that keep a state (kv_cache/state_group.py)
     experts: bool = False  # layers whose MLP is a mixture of experts (engine/models/moe.py)
+    sinks: bool = False  # attention sinks (engine/attention/sinks.py)
 
     @classmethod
     def of(cls, hf_config: Any, tp_size: int = 1) -> ModelShape:
@@ -87,7 +88,7 @@ class ModelShape(NamedTuple):
         return cls(heads // tp_size, max(kv_heads // tp_size, 1), arch.head_dim,
                    arch.act == "silu", arch.layer_ops_misfit(), arch.decode_stack_misfit(),
                    any(windows), len(kv_cache_groups(windows, states)), bool(states),
-                   arch.moe is not None and bool(arch.moe.layers))  # fmt: skip
+                   arch.moe is not None and bool(arch.moe.layers), arch.attn_sinks)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -371,9 +372,14 @@ def resolve_attention(
     )  # fmt: skip
     asked = config.attention_backend
     if asked == "auto":
+        if shape.sinks:  # (the paged kernels take no sinks yet)
+            return DEFAULT_BACKEND
         if triton_applies(device, kv_int8):  # (sliding windows included)
             return "triton"
         return "cpu-paged" if paged else DEFAULT_BACKEND
+    if shape.sinks and not backend_class(asked).attention_sinks:
+        raise ValueError(f"attention backend {asked!r} takes no attention sinks, which this "
+                         f"model's layers have; use sdpa")  # fmt: skip
     if shape.sliding_window and not backend_class(asked).sliding_windows:
         raise ValueError(f"attention backend {asked!r} has no sliding window, which this "
                          f"model's layers attend; use sdpa")  # fmt: skip

@@ -129,15 +129,26 @@ def _sparse_layers(config: Any, layers: int) -> frozenset[int]:
 def _expert_sizes(config: Any, layer: int, hidden: int, shapes: Mapping[str, tuple[int, ...]],
                   positive: Any, fail: Any) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """A mixture of experts' tensors and the shapes its config needs; the router's first,
-    so that a crafted expert count is refused before it is counted out."""
-    experts, inter = positive("num_experts"), positive("moe_intermediate_size")
+    so that a crafted expert count is refused before it is counted out. gpt-oss keeps its
+    router as ``router`` (with a bias) and each projection of all experts in one tensor."""
+    stacked = getattr(config, "model_type", None) == "gpt_oss"
+    experts = positive("num_experts")
+    inter = positive("intermediate_size" if stacked else "moe_intermediate_size")
     if positive("num_experts_per_tok") > experts:
         raise fail(f"num_experts_per_tok is over num_experts ({experts})")
     p = f"model.layers.{layer}.mlp."
-    if shapes.get(p + "gate.weight") != (experts, hidden):
-        raise fail(f"{p}gate.weight is {_shape(shapes.get(p + 'gate.weight'))}, the config "
-                   f"needs {[experts, hidden]}")  # fmt: skip
-    sizes: dict[str, tuple[int, ...]] = {p + "gate.weight": (experts, hidden)}
+    router = p + ("router.weight" if stacked else "gate.weight")
+    if shapes.get(router) != (experts, hidden):
+        raise fail(f"{router} is {_shape(shapes.get(router))}, the config needs "
+                   f"{[experts, hidden]}")  # fmt: skip
+    sizes: dict[str, tuple[int, ...]] = {router: (experts, hidden)}
+    if stacked:
+        x = p + "experts."
+        return sizes | {p + "router.bias": (experts,),
+                        x + "gate_up_proj": (experts, hidden, 2 * inter),
+                        x + "gate_up_proj_bias": (experts, 2 * inter),
+                        x + "down_proj": (experts, inter, hidden),
+                        x + "down_proj_bias": (experts, hidden)}  # fmt: skip
     for e in range(experts):
         sizes |= {f"{p}experts.{e}.gate_proj.weight": (inter, hidden),
                   f"{p}experts.{e}.up_proj.weight": (inter, hidden),

@@ -71,6 +71,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "decoder_sparse_step": _INT,
     "mlp_only_layers": (list, *_NONE),
     "num_local_experts": _INT,
+    "swiglu_alpha": _NUMBER,  # gpt-oss' clamped SwiGLU
+    "swiglu_limit": _NUMBER,
 }
 # Fields transformers writes under another name than the one it reads (its configs'
 # `attribute_map`): transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`,
@@ -128,6 +130,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "sliding_window": 4096, "use_sliding_window": False, "decoder_sparse_step": 1,
                   "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
                   "norm_topk_prob": False, "mlp_only_layers": None},
+    "gpt_oss": {**_SHARED, "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "num_experts_per_tok": 4, "num_local_experts": 128,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "layer_types": None,
+                "attention_bias": True},
 }  # fmt: skip
 # Multimodal checkpoints served as their text model: model_type -> the text model's
 # architecture (its config is the file's `text_config`, its weights those under
@@ -139,12 +147,19 @@ _TEXT_PREFIX = "model.language_model."
 # where a class sets its own (Gemma 3: one for full layers, one for sliding ones).
 DEFAULT_ROPE_THETA: dict[str, Any] = {
     "smollm3": 2_000_000.0, "gemma3_text": {"global": 1_000_000.0, "local": 10_000.0},
+    "gpt_oss": 150_000.0,
 }  # fmt: skip
 
 
 # The rotating share of each head a config that names none gets, where transformers' class
 # sets its own (Qwen3.5's, in its rope parameters).
 DEFAULT_PARTIAL_ROTARY: dict[str, float] = {"qwen3_5_text": 0.25}
+# The rope scaling a config that names none gets, where transformers' class sets one
+# (gpt-oss' YaRN, in its __post_init__).
+DEFAULT_ROPE_SCALING: dict[str, dict[str, Any]] = {
+    "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096},
+}  # fmt: skip
 
 
 def default_rope_theta(config: Any) -> Any:
@@ -188,8 +203,11 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     for alias, name in ALIASES.items():
         if alias in data and name not in data:
             data[name] = data[alias]
-    defaults = DEFAULTS.get(data.get("model_type"), {})
-    return ModelConfig(**{**defaults, **data, "_name_or_path": str(model_dir)})
+    data = {**DEFAULTS.get(data.get("model_type"), {}), **data}
+    for alias, name in ALIASES.items():  # (a default given under the alias: gpt-oss')
+        if alias in data and name not in data:
+            data[name] = data[alias]
+    return ModelConfig(**{**data, "_name_or_path": str(model_dir)})
 
 
 def _text_model(data: dict[str, Any]) -> dict[str, Any]:

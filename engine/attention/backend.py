@@ -29,10 +29,18 @@ class AttentionBackend(ABC):
     # Whether the backend attends a sliding window (`window`); one that does not is refused
     # for a windowed layer group by `get_attention_backend`.
     sliding_windows = True
+    # Whether it takes attention sinks (engine/attention/sinks.py): built with
+    # ``sinks=True``, its call takes each layer's ``sinks``; the plan picks no other for a
+    # model that has them.
+    attention_sinks = False
     # Which KV cache group's layers the backend serves (its meta: `meta.for_group`).
     kv_group = 0
 
-    def __init__(self, num_heads: int, num_kv_heads: int, window: int | None = None) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, window: int | None = None, sinks: bool = False
+    ) -> None:
+        if sinks and not self.attention_sinks:
+            raise ValueError(f"the {type(self).__name__} attention backend takes no sinks")
         if num_heads % num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if window is not None and window < 1:
@@ -43,6 +51,7 @@ class AttentionBackend(ABC):
         # .. p (transformers' sliding mask); None: every key up to p. One backend serves one
         # KV cache group (kv_cache/groups.py), whose layers all have the same window.
         self.window = window
+        self.sinks = sinks  # the layers it serves have attention sinks
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional)
         """Plan the step ``meta`` describes (nothing to plan by default)."""

@@ -16,9 +16,11 @@ def reference_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per request: gather its keys, ``softmax(q k^T * scale + causal mask) v`` in float32
-    (the mask also hides keys ``window`` or more positions back, for a sliding window)."""
+    (the mask also hides keys ``window`` or more positions back, for a sliding window;
+    ``sinks`` ``[h]``: each head's sink logit joins the softmax, as transformers' gpt-oss)."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -39,13 +41,19 @@ def reference_paged_attention(
         if window is not None:
             allowed &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # a column of each head's sink, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
     return out
 
 
 class ReferenceBackend(AttentionBackend):
     """`reference_paged_attention` as a backend: slow and obvious, nothing to plan."""
+
+    attention_sinks = True
 
     def __call__(
         self,
@@ -54,5 +62,6 @@ class ReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return reference_paged_attention(q, k_cache, v_cache, meta, scale, self.window)
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale, self.window, sinks)

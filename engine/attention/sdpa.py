@@ -25,6 +25,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.decode_plan import DecodeGroup, DecodePlan, PrefixBatch, plan_decodes
 from engine.attention.kv_cache import dequantize_kv, gather_request_kv, is_quantized
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.sinks import additive_mask, sink_scale
 
 
 @dataclass
@@ -53,6 +54,8 @@ class SdpaBackend(AttentionBackend):
     launch on GPU). ``cascade=False`` attends every decode over its whole context.
     """
 
+    attention_sinks = True
+
     def __init__(
         self,
         num_heads: int,
@@ -60,11 +63,13 @@ class SdpaBackend(AttentionBackend):
         window: int | None = None,
         decode_group: int | None = None,
         cascade: bool = True,
+        sinks: bool = False,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, window)
+        super().__init__(num_heads, num_kv_heads, window, sinks)
         self.decode_group = decode_group
-        # A window hides a shared prefix's first keys from the later members: no cascade.
-        self.cascade = cascade and window is None
+        # A window hides a shared prefix's first keys from the later members, and a sink
+        # joins a softmax once, not once per part of a cascade: no cascade.
+        self.cascade = cascade and window is None and not sinks
         self._plan: _StepPlan | None = None  # the step last prepared, read by every layer
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -85,8 +90,10 @@ class SdpaBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decodes in groups (shared prefixes read once), one SDPA per multi-token request."""
+        """Decodes in groups (shared prefixes read once), one SDPA per multi-token request;
+        ``sinks`` ``[h]``: the layer's attention sinks (a backend built with ``sinks``)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("SdpaBackend.prepare(meta) must run before the step's layers")
@@ -94,7 +101,8 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decodes = plan.decodes
         for group in decodes.plain:
-            _put(out, group, _sdpa_decode_group(_take(q, group), k_cache, v_cache, group, scale))
+            result = _sdpa_decode_group(_take(q, group), k_cache, v_cache, group, scale, sinks)
+            _put(out, group, result)
         if decodes.suffix:
             prefix_out, prefix_lse = _attend_prefixes(q, k_cache, v_cache, decodes, scale)
             for group in decodes.suffix:
@@ -105,7 +113,9 @@ class SdpaBackend(AttentionBackend):
                 )  # fmt: skip
                 _put(out, group, result)
         for prefill in plan.prefills:
-            out[prefill.tokens] = sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
+            out[prefill.tokens] = sdpa_prefill(
+                q[prefill.tokens], k_cache, v_cache, prefill, scale, sinks
+            )
         return out
 
 
@@ -233,6 +243,7 @@ def _sdpa_decode_group(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SDPA call for a group of single-token queries: ``[G, h, d]`` in and out."""
     size, num_heads, head_dim = q.shape
@@ -240,9 +251,12 @@ def _sdpa_decode_group(
     keys, values = _gather_blocks(k_cache, v_cache, group.flat_block_table, size, q.dtype)
     # The query heads sharing a KV head act as that head's query rows: GQA without repeat.
     qg = q.reshape(size, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
-    )
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    if sinks is not None:
+        out, lse = attention_with_lse(qg, keys, values, additive_mask(group.mask), scale)
+        out = out * sink_scale(lse, sinks.view(num_kv_heads, -1)).to(out.dtype)[..., None]
+    else:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask, scale=scale)
     return out.reshape(size, num_heads, head_dim)
 
 
@@ -359,6 +373,7 @@ def sdpa_prefill(
     v_cache: torch.Tensor,
     prefill: Prefill,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one request's L new queries ``[L, h, d]`` over its S keys."""
     num_heads = q.shape[1]
@@ -367,6 +382,8 @@ def sdpa_prefill(
     keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, h, L, d]
     gqa = num_heads != keys.shape[1]
+    if sinks is not None:
+        return _prefill_with_sinks(qh, keys, values, prefill, scale, sinks)
     if prefill.mask is None:  # nothing cached: SDPA's own (top-left) causal mask is right
         out = F.scaled_dot_product_attention(
             qh, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
@@ -375,4 +392,22 @@ def sdpa_prefill(
         out = F.scaled_dot_product_attention(
             qh, keys, values, attn_mask=prefill.mask, scale=scale, enable_gqa=gqa
         )
+    return out[0].transpose(0, 1)
+
+
+def _prefill_with_sinks(
+    qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefill: Prefill, scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`sdpa_prefill` with the layer's sinks: the attention and its log-sum-exp (each KV head
+    repeated for its query heads), then each row scaled by its keys' share."""
+    q_len, seq_len = qh.shape[2], keys.shape[2]
+    per_kv = qh.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(per_kv, dim=1)
+    values = values.repeat_interleave(per_kv, dim=1)
+    mask = prefill.mask if prefill.mask is not None else _prefill_mask(
+        q_len, seq_len, None, qh.device
+    )  # fmt: skip
+    out, lse = attention_with_lse(qh, keys, values, additive_mask(mask)[None, None], scale)
+    out = out * sink_scale(lse, sinks.view(-1, 1)).to(out.dtype)[..., None]
     return out[0].transpose(0, 1)

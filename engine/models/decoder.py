@@ -90,10 +90,12 @@ class DecoderForCausalLM(nn.Module):
         # prepares each once per step (`prepare_attention`).
         groups = kv_cache_groups(self.layer_windows(hf_config), self.state_layers(hf_config))
         # Batch-invariant: every query token a row of the paged kernel (the plan chose it).
-        rows = {"every_query_as_rows": True} if plan.batch_invariant else {}
+        options = {"every_query_as_rows": True} if plan.batch_invariant else {}
+        if arch.attn_sinks:
+            options["sinks"] = True
         self.attn_backends = [
             get_attention_backend(
-                plan.attention, arch.num_heads, arch.num_kv_heads, g.window, **rows
+                plan.attention, arch.num_heads, arch.num_kv_heads, g.window, **options
             )
             for g in groups
         ]

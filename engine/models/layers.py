@@ -69,6 +69,9 @@ class Architecture:
     # The attention's output times sigmoid(gate), the gate projected with q (per head, after
     # its q rows: Qwen3.5's full-attention layers).
     attn_output_gate: bool = False
+    # A learned logit per query head that joins every softmax of its attention with no
+    # value (gpt-oss' attention sinks): the weights of the real keys sum to less than 1.
+    attn_sinks: bool = False
     linear_attention: LinearAttentionSpec | None = None  # the linear layers' sizes
     moe: MoESpec | None = None  # a mixture of experts in the layers it names
 
@@ -105,6 +108,8 @@ class Architecture:
             "sliding window" if "sliding_attention" in self.layer_types else "",
             "linear attention" if "linear_attention" in self.layer_types else "",
             "attention output gate" if self.attn_output_gate else "",
+            "attention sinks" if self.attn_sinks else "",
+            "biased, clamped SwiGLU experts" if self.moe and self.moe.swiglu_limit else "",
         ]
         return ", ".join(r for r in reasons if r) or None
 
@@ -152,6 +157,9 @@ class Attention(_Block):
         self.eps = arch.eps
         self.q_norm = _param(arch.head_dim, **_tensor_kw(kw)) if arch.qk_norm else None
         self.k_norm = _param(arch.head_dim, **_tensor_kw(kw)) if arch.qk_norm else None
+        # float32 whatever the model dtype: they enter the softmax beside the float32 scores
+        self.sinks = (_param(self.num_heads, dtype=torch.float32, device=kw["device"])
+                      if arch.attn_sinks else None)  # fmt: skip
 
     def forward(self, ops: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -166,7 +174,10 @@ class Attention(_Block):
             qkv = self._norm_qk(ops, qkv)
         q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                               self.num_heads, self.num_kv_heads)  # fmt: skip
-        out = self.backend(q, k_cache, v_cache, meta, self.scale)
+        if self.sinks is None:
+            out = self.backend(q, k_cache, v_cache, meta, self.scale)
+        else:
+            out = self.backend(q, k_cache, v_cache, meta, self.scale, sinks=self.sinks)
         out = out.reshape(x.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "engine.models.phi3"),
     "Qwen3_5ForCausalLM": ("qwen3_5_text", "engine.models.qwen3_5"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "engine.models.qwen3_moe"),
+    "GptOssForCausalLM": ("gpt_oss", "engine.models.gpt_oss"),
 }
 ARCHITECTURE_BY_MODEL_TYPE = {model_type: name for name, (model_type, _) in ARCHITECTURES.items()}
 

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_config import DEFAULT_PARTIAL_ROTARY, as_transformers_config, default_rope_theta
+from engine.model_config import (
+    DEFAULT_PARTIAL_ROTARY,
+    DEFAULT_ROPE_SCALING,
+    as_transformers_config,
+    default_rope_theta,
+)
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -34,6 +39,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
         return _layer_type_parameters(config, layer_type)
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None) or {}
+    if not params and not legacy:
+        params = dict(DEFAULT_ROPE_SCALING.get(getattr(config, "model_type", None), {}))
     for key, value in legacy.items():
         params.setdefault(key, value)
     params.setdefault("rope_type", params.get("type", "default"))

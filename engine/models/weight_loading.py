@@ -43,6 +43,8 @@ _LINEAR_PARAMS = {"conv1d": "conv_weight", "dt_bias": "dt_bias", "A_log": "A_log
                   "norm": "norm"}  # fmt: skip
 _TOP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm",
         "lm_head.weight": "lm_head"}  # fmt: skip
+# gpt-oss' experts, every expert in one tensor ([experts, in, out]: x @ W), biases beside
+STACKED_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, Any]]) -> set[str]:
@@ -55,6 +57,10 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, Any]]) 
             continue
         if name == "lm_head.weight" and model.arch.tie_word_embeddings:
             continue  # tied: the embedding matrix is the head
+        if name.rpartition(".")[2] in STACKED_EXPERTS and ".mlp.experts." in name:
+            filled.update(_load_stacked_experts(model, name, tensor))
+            loaded.add(name)
+            continue
         target, rows, shards, linear = _route(model, name)
         try:
             _load_tensor(model, name, tensor, target, rows, linear)
@@ -134,6 +140,10 @@ def _route(
         return _route_experts(model, layer.mlp, name, parts[4:], prefix + "mlp.")
     if len(parts) == 8:
         raise unexpected
+    if parts[3:] == ["self_attn", "sinks"] and layer.self_attn is not None:
+        if layer.self_attn.sinks is None:
+            raise ValueError(f"unexpected weight name {name!r} (this config has no sinks)")
+        return layer.self_attn.sinks, None, [(prefix + "self_attn.sinks", "")], None
     if len(parts) == 5:  # model.layers.N.<norm>.weight
         if parts[3] not in layer.norm_names or parts[4] != "weight":
             raise unexpected
@@ -187,9 +197,12 @@ def _route_experts(
     model: DecoderForCausalLM, moe: SparseMoE, name: str, parts: list[str], key: str
 ) -> tuple[torch.Tensor, tuple[int, int] | None, list[tuple[str, str]], Linear | None]:
     """`_route` for a mixture of experts' tensor (``parts``: after ``mlp``): the router
-    (``gate.weight``) or an expert's projection (``experts.E.gate_proj.weight``)."""
-    if parts == ["gate", "weight"]:
+    (``gate.weight``; gpt-oss' ``router.weight`` and ``router.bias``) or an expert's
+    projection (``experts.E.gate_proj.weight``)."""
+    if parts in (["gate", "weight"], ["router", "weight"]):
         return moe.gate, None, [(key + "gate", "")], None
+    if parts == ["router", "bias"] and moe.gate_bias is not None:
+        return moe.gate_bias, None, [(key + "gate.bias", "")], None
     experts = moe.spec.num_experts
     if (len(parts) != 4 or parts[0] != "experts" or not parts[1].isdigit()
             or int(parts[1]) >= experts or parts[3] != "weight"):  # fmt: skip
@@ -202,6 +215,49 @@ def _route_experts(
     rows = _rows(model, part, moe.spec.intermediate_size)
     shard = (key + f"experts.{parts[1]}.{ours}", proj if rows else "")
     return linear.weight, rows, [shard], linear
+
+
+def _load_stacked_experts(
+    model: DecoderForCausalLM, name: str, tensor: torch.Tensor
+) -> list[tuple[str, str]]:
+    """gpt-oss' stacked expert tensor (``model.layers.N.mlp.experts.<STACKED_EXPERTS>``) into
+    each expert's projections: weights transposed to ``[out, in]``, and gate/up, which it
+    interleaves column by column (gate 0, up 0, gate 1, ...), as the fused projection's gate
+    rows then up rows. Returns the shards filled."""
+    parts = name.split(".")
+    index = int(parts[2]) if len(parts) == 6 and parts[2].isdigit() else -1
+    moe = model.layers[index].mlp if 0 <= index < model.arch.num_layers else None
+    if not isinstance(moe, SparseMoE) or not moe.spec.bias:
+        raise ValueError(f"unexpected weight name {name!r}")
+    kind, experts = parts[5], moe.spec.num_experts
+    if (
+        tensor.dim() != (3 if kind in ("gate_up_proj", "down_proj") else 2)
+        or tensor.shape[0] != experts
+    ):
+        raise ValueError(f"{name}: {list(tensor.shape)} is not [{experts}, ...] as the config says")
+    ours = "gate_up_proj" if kind.startswith("gate_up") else "down_proj"
+    shards = []
+    for e, part in enumerate(tensor):
+        linear = getattr(moe.experts[e], ours)
+        if kind.endswith("_bias"):
+            bias = torch.cat((part[0::2], part[1::2])) if ours == "gate_up_proj" else part
+            check_shape(bias, linear.bias)
+            linear.bias.copy_(bias.to(device=linear.bias.device, dtype=linear.bias.dtype))
+            shards.append((f"layers.{index}.mlp.experts.{e}.{ours}.bias", ""))
+            continue
+        weight = part.t()
+        if ours == "gate_up_proj":
+            weight = torch.cat((weight[0::2], weight[1::2]))
+        try:
+            linear.load(weight.contiguous(), None)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        shards += [(f"layers.{index}.mlp.experts.{e}.{ours}", p) for p in _EXPERT_PARTS[ours]]
+    return shards
+
+
+# The shards an expert's projection holds (its rows' parts, as `_expert_shards` counts them)
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("",)}
 
 
 def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -239,7 +295,9 @@ def _expected_shards(model: DecoderForCausalLM) -> set[tuple[str, str]]:
         if layer.self_attn.q_norm is not None:
             shards |= {(p + n, "") for n in _QK_NORMS}
         if isinstance(layer.mlp, SparseMoE):
-            shards |= _expert_shards(layer.mlp.spec.num_experts, p + "mlp.")
+            shards |= _expert_shards(layer.mlp.spec.num_experts, p + "mlp.", layer.mlp.spec.bias)
+        if layer.self_attn.sinks is not None:
+            shards.add((p + "self_attn.sinks", ""))
         for (module, proj), (ours, part) in _FUSED.items():
             if module == "mlp" and isinstance(layer.mlp, SparseMoE):
                 continue
@@ -258,11 +316,14 @@ def _linear_shards(mixer: Any, key: str) -> set[tuple[str, str]]:
     return shards | {(key + "out_proj", "")}
 
 
-def _expert_shards(experts: int, key: str) -> set[tuple[str, str]]:
-    """Every (parameter, part) of a mixture of experts a checkpoint fills."""
-    shards = {(key + "gate", "")}
+def _expert_shards(experts: int, key: str, bias: bool) -> set[tuple[str, str]]:
+    """Every (parameter, part) of a mixture of experts a checkpoint fills (``bias``: the
+    router's and every projection's biases too, gpt-oss')."""
+    shards = {(key + "gate", "")} | ({(key + "gate.bias", "")} if bias else set())
     for e in range(experts):
         shards |= {(key + f"experts.{e}.gate_up_proj", "gate_proj"),
                    (key + f"experts.{e}.gate_up_proj", "up_proj"),
                    (key + f"experts.{e}.down_proj", "")}  # fmt: skip
+        if bias:
+            shards |= {(key + f"experts.{e}.{p}.bias", "") for p in ("gate_up_proj", "down_proj")}
     return shards

@@ -16,6 +16,7 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -45,7 +46,7 @@ from tests.engine.tiny_models import default_model_dir, make_tiny_model_dir
 CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig,
            "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig, "smollm3": SmolLM3Config,
            "phi3": Phi3Config, "qwen3_5_text": Qwen3_5TextConfig,
-           "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
+           "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}  # fmt: skip
 # Qwen3.5's every fourth layer is full attention: four layers, or none would be.
 MINIMAL = {"qwen3_5_text": {"num_hidden_layers": 4}}
 # 32 heads: the key/value head counts the classes default to (32, 8) divide it.

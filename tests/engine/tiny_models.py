@@ -73,10 +73,19 @@ ARCH_DEFAULTS = {
     "qwen3_moe": {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 8,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "norm_topk_prob": True, "mlp_only_layers": [1]},
+    # gpt-oss (issue 66): 8 experts of 32 columns, 2 a token, a sliding layer (a window of 8,
+    # shorter than the tests' prompts) and a full one, attention sinks, YaRN over gpt-oss'
+    # context; larger weights (or the tokens repeat one) and the SwiGLU's limit low enough
+    # for the clamps to act on them
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "sliding_window": 8, "swiglu_limit": 1.0,
+                "initializer_range": 0.1, "max_position_embeddings": 131072},
 }  # fmt: skip
 # Families whose norms are random too (transformers initialises them to the identity, which
 # would leave a wrong norm unseen).
-RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3", "qwen3_5_text", "qwen3_moe")
+RANDOM_NORMS = ("qwen3", "gemma3_text", "smollm3", "phi3", "qwen3_5_text", "qwen3_moe", "gpt_oss")
+# ...and their biases and attention sinks (transformers starts gpt-oss' at 0)
+RANDOM_BIASES = ("gpt_oss",)
 
 
 def cache_dir() -> Path:
@@ -129,6 +138,8 @@ def make_tiny_model_dir(
                 for name, param in model.named_parameters():
                     if "norm" in name:
                         param.add_(torch.randn_like(param) * 0.2)
+                    elif arch in RANDOM_BIASES and name.endswith(("bias", "sinks")):
+                        param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
     model.save_pretrained(str(path))
     default_tokenizer().save_pretrained(str(path))
     return path
