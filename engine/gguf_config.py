@@ -6,8 +6,8 @@ loader hard-codes per architecture (Gemma 3's sliding-window pattern and local r
 SmolLM3's layers without rope). This module reverses it into the dict transformers' config
 class of the family holds (the field names and values `engine/model_config.py` reads), for
 the architectures llama.cpp writes as `llama` (Llama, Mistral, SmolLM2), `qwen2`, `qwen3`,
-`gemma3`, `smollm3`, `phi3` and `qwen35` (Qwen3.5's text model); no transformers import, no
-tensor read.
+`gemma3`, `smollm3`, `phi3`, `qwen35` (Qwen3.5's text model), `qwen3moe` and `gpt-oss`; no
+transformers import, no tensor read.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ MODEL_TYPES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # llama.cpp's loader: every 6th Gemma 3 layer is global, the others slide, at base 10,000
 # (llama-model.cpp, `set_swa_pattern(6)`, `rope_freq_base_train_swa`); every 4th SmolLM3
@@ -43,6 +44,8 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 QWEN35_FULL_ATTENTION_INTERVAL = 4
 QWEN35_MROPE_SECTION = [11, 11, 10]
 _ROPE_SCALING_TYPES = ("linear", "yarn", "longrope")
+# llama.cpp's gpt-oss experts (llm_build_openai_moe_iswa: swiglu_oai)
+GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
 
 
 class _Keys:
@@ -141,6 +144,25 @@ def _qwen3moe(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
                   num_experts_per_tok=keys.need("expert_used_count"),
                   moe_intermediate_size=keys.need("expert_feed_forward_length"),
                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+
+
+def _gpt_oss(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
+    """Every layer a mixture of experts (intermediate_size: each expert's width), the
+    clamped SwiGLU's alpha and limit as llama.cpp hard-codes them for gpt-oss (1.702, 7.0:
+    the released models'), and the layers sliding, full, sliding, ... from the first
+    (llama.cpp's `set_swa_pattern(2)`). The converter does not write YaRN's `truncate`: the
+    released configs say False."""
+    config["hidden_act"] = "silu"
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    config["sliding_window"] = keys.need("attention.sliding_window")
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(config["num_hidden_layers"])]  # fmt: skip
+    config.update(num_experts=keys.need("expert_count"),
+                  num_experts_per_tok=keys.need("expert_used_count"),
+                  intermediate_size=keys.need("expert_feed_forward_length"),
+                  swiglu_alpha=GPT_OSS_SWIGLU_ALPHA, swiglu_limit=GPT_OSS_SWIGLU_LIMIT)  # fmt: skip
+    if config["rope_parameters"]["rope_type"] == "yarn":
+        config["rope_parameters"]["truncate"] = False
 
 
 def _smollm3(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
@@ -243,7 +265,7 @@ def _qwen35(config: dict[str, Any], keys: _Keys, tensors: set[str]) -> None:
 
 _FAMILY: dict[str, Callable[[dict[str, Any], _Keys, set[str]], None]] = {
     "qwen3": _qwen3, "smollm3": _smollm3, "gemma3": _gemma3, "phi3": _phi3, "qwen35": _qwen35,
-    "qwen3moe": _qwen3moe,
+    "qwen3moe": _qwen3moe, "gpt-oss": _gpt_oss,
 }  # fmt: skip
 
 

@@ -89,10 +89,15 @@ _EXPERTS = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _ARCH_LAYER_NAMES["qwen3moe"] = {**_ARCH_LAYER_NAMES["qwen3"], **_EXPERTS}
+# gpt-oss: its router is transformers' `mlp.router` (a bias beside it), and each expert
+# projection's biases are stacked too ([experts, rows], `ffn_gate_exps.bias`)
+_ARCH_LAYER_NAMES["gpt-oss"] = {**_EXPERTS, "ffn_gate_inp": "mlp.router",
+                                "post_attention_norm": "post_attention_layernorm"}  # fmt: skip
 # Parameters the converter names without a .weight of their own: Qwen3.5's A (`ssm_a`,
 # stored as -exp(A_log)) and dt_bias (renamed dt_proj.bias: `ssm_dt.bias`)
 _ARCH_PARAMETERS = {
     "qwen35": {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"},
+    "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},  # (transformers' has no .weight)
 }
 # convert_hf_to_gguf permutes q/k rows for llama.cpp's rotary layout in its LlamaModel and
 # the converters built on it (SmolLM3) only; Qwen, Gemma and Phi-3 rows are as in HF.
@@ -312,7 +317,7 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
             if name is None:
                 continue
             shape, qtype = t.shape, t.type
-            if len(shape) == 3 and expert_stacks(name):
+            if expert_stacks(name, len(shape)):
                 yield from _experts(gguf, t, name)
                 continue
             if qtype in HALF_TYPES and len(shape) == 2 and not name.endswith("norm.weight"):
@@ -344,10 +349,12 @@ def read_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTen
             yield name, tensor
 
 
-def expert_stacks(name: str) -> bool:
-    """Whether ``name`` is a mixture's stacked tensor (``...mlp.experts.gate_proj.weight``,
-    llama.cpp's ``ffn_gate_exps``), which stands for every expert's (`expert_names`)."""
-    return ".mlp.experts." in name and name.count(".") == 6
+def expert_stacks(name: str, dims: int) -> bool:
+    """Whether ``name`` (a tensor of ``dims`` dimensions) is a mixture's stacked tensor
+    (``...mlp.experts.gate_proj.weight``, llama.cpp's ``ffn_gate_exps``: 3-D; gpt-oss'
+    biases ``...gate_proj.bias``: 2-D), which stands for every expert's (`expert_names`)."""
+    stacked_dims = 2 if name.endswith(".bias") else 3
+    return ".mlp.experts." in name and name.count(".") == 6 and dims == stacked_dims
 
 
 def expert_names(name: str, experts: int) -> list[str]:
@@ -360,12 +367,16 @@ def expert_names(name: str, experts: int) -> list[str]:
 def _experts(gguf: GGUFFile, t: Any, name: str) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """A 3-D ``[experts, rows, columns]`` tensor as each expert's 2-D weight: float32
     slices, or its blocks (rows of the mapped file, in place; F16 and BF16 too, as 2-D
-    weights of those types are kept)."""
-    experts, rows, cols = t.shape
+    weights of those types are kept); a 2-D float32 one (biases) as each expert's row."""
+    experts = t.shape[0]
     if t.type == QType.F32:
         stacked = _float_tensor(gguf.array(t), t.type, t.shape)
         yield from zip(expert_names(name, experts), stacked, strict=True)
         return
+    if len(t.shape) != 3:
+        raise ModelFileError(f"{gguf.path}: tensor {t.name} of type {t.type.name} is a stack "
+                             "of biases, not float32")  # fmt: skip
+    _, rows, cols = t.shape
     blocks = torch.from_numpy(gguf.array(t)).view(experts * rows, -1)
     for e, expert in enumerate(expert_names(name, experts)):
         yield expert, GGUFTensor(blocks[e * rows : (e + 1) * rows], t.type, (rows, cols), True)

@@ -398,7 +398,7 @@ def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
         name = hf_name(t.name, gguf.path, arch, layers)
         if name is None:
             continue
-        if len(t.shape) == 3 and expert_stacks(name):  # one [rows, cols] weight per expert
+        if expert_stacks(name, len(t.shape)):  # one [rows, cols] weight (or bias) per expert
             shapes.update(dict.fromkeys(expert_names(name, t.shape[0]), t.shape[1:]))
             continue
         conv = name.endswith("conv1d.weight") and len(t.shape) == 2  # [C, K] as [C, 1, K]

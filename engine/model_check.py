@@ -129,15 +129,17 @@ def _sparse_layers(config: Any, layers: int) -> frozenset[int]:
 def _expert_sizes(config: Any, layer: int, hidden: int, shapes: Mapping[str, tuple[int, ...]],
                   positive: Any, fail: Any) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """A mixture of experts' tensors and the shapes its config needs; the router's first,
-    so that a crafted expert count is refused before it is counted out. gpt-oss keeps its
-    router as ``router`` (with a bias) and each projection of all experts in one tensor."""
-    stacked = getattr(config, "model_type", None) == "gpt_oss"
+    so that a crafted expert count is refused before it is counted out. gpt-oss names its
+    router ``router`` (with a bias) and biases every projection; its Hugging Face checkpoints
+    keep each projection of all experts in one tensor (its GGUFs: one per expert, as read)."""
+    gpt_oss = getattr(config, "model_type", None) == "gpt_oss"
     experts = positive("num_experts")
-    inter = positive("intermediate_size" if stacked else "moe_intermediate_size")
+    inter = positive("intermediate_size" if gpt_oss else "moe_intermediate_size")
     if positive("num_experts_per_tok") > experts:
         raise fail(f"num_experts_per_tok is over num_experts ({experts})")
     p = f"model.layers.{layer}.mlp."
-    router = p + ("router.weight" if stacked else "gate.weight")
+    router = p + ("router.weight" if gpt_oss else "gate.weight")
+    stacked = gpt_oss and p + "experts.gate_up_proj" in shapes
     if shapes.get(router) != (experts, hidden):
         raise fail(f"{router} is {_shape(shapes.get(router))}, the config needs "
                    f"{[experts, hidden]}")  # fmt: skip
@@ -149,8 +151,13 @@ def _expert_sizes(config: Any, layer: int, hidden: int, shapes: Mapping[str, tup
                         x + "gate_up_proj_bias": (experts, 2 * inter),
                         x + "down_proj": (experts, inter, hidden),
                         x + "down_proj_bias": (experts, hidden)}  # fmt: skip
+    if gpt_oss:
+        sizes[p + "router.bias"] = (experts,)
     for e in range(experts):
-        sizes |= {f"{p}experts.{e}.gate_proj.weight": (inter, hidden),
-                  f"{p}experts.{e}.up_proj.weight": (inter, hidden),
-                  f"{p}experts.{e}.down_proj.weight": (hidden, inter)}  # fmt: skip
+        x = f"{p}experts.{e}."
+        sizes |= {x + "gate_proj.weight": (inter, hidden), x + "up_proj.weight": (inter, hidden),
+                  x + "down_proj.weight": (hidden, inter)}  # fmt: skip
+        if gpt_oss:
+            sizes |= {x + "gate_proj.bias": (inter,), x + "up_proj.bias": (inter,),
+                      x + "down_proj.bias": (hidden,)}  # fmt: skip
     return sizes

@@ -204,17 +204,19 @@ def _route_experts(
     if parts == ["router", "bias"] and moe.gate_bias is not None:
         return moe.gate_bias, None, [(key + "gate.bias", "")], None
     experts = moe.spec.num_experts
+    kinds = ("weight", "bias") if moe.spec.bias else ("weight",)
     if (len(parts) != 4 or parts[0] != "experts" or not parts[1].isdigit()
-            or int(parts[1]) >= experts or parts[3] != "weight"):  # fmt: skip
+            or int(parts[1]) >= experts or parts[3] not in kinds):  # fmt: skip
         raise ValueError(f"unexpected weight name {name!r} (experts: {experts})")
-    proj = parts[2]
+    proj, kind = parts[2], parts[3]
     if ("mlp", proj) not in _FUSED:
         raise ValueError(f"unexpected weight name {name!r}")
     ours, part = _FUSED[("mlp", proj)]
     linear = getattr(moe.experts[int(parts[1])], ours)
     rows = _rows(model, part, moe.spec.intermediate_size)
-    shard = (key + f"experts.{parts[1]}.{ours}", proj if rows else "")
-    return linear.weight, rows, [shard], linear
+    shard = (key + f"experts.{parts[1]}.{ours}" + (".bias" if kind == "bias" else ""),
+             proj if rows else "")  # fmt: skip
+    return getattr(linear, kind), rows, [shard], linear if kind == "weight" else None
 
 
 def _load_stacked_experts(
@@ -239,11 +241,12 @@ def _load_stacked_experts(
     shards = []
     for e, part in enumerate(tensor):
         linear = getattr(moe.experts[e], ours)
+        key = f"layers.{index}.mlp.experts.{e}.{ours}"
         if kind.endswith("_bias"):
             bias = torch.cat((part[0::2], part[1::2])) if ours == "gate_up_proj" else part
             check_shape(bias, linear.bias)
             linear.bias.copy_(bias.to(device=linear.bias.device, dtype=linear.bias.dtype))
-            shards.append((f"layers.{index}.mlp.experts.{e}.{ours}.bias", ""))
+            shards += [(f"{key}.bias", p) for p in _EXPERT_PARTS[ours]]
             continue
         weight = part.t()
         if ours == "gate_up_proj":
@@ -252,7 +255,7 @@ def _load_stacked_experts(
             linear.load(weight.contiguous(), None)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
-        shards += [(f"layers.{index}.mlp.experts.{e}.{ours}", p) for p in _EXPERT_PARTS[ours]]
+        shards += [(key, p) for p in _EXPERT_PARTS[ours]]
     return shards
 
 
@@ -325,5 +328,7 @@ def _expert_shards(experts: int, key: str, bias: bool) -> set[tuple[str, str]]:
                    (key + f"experts.{e}.gate_up_proj", "up_proj"),
                    (key + f"experts.{e}.down_proj", "")}  # fmt: skip
         if bias:
-            shards |= {(key + f"experts.{e}.{p}.bias", "") for p in ("gate_up_proj", "down_proj")}
+            shards |= {(key + f"experts.{e}.gate_up_proj.bias", "gate_proj"),
+                       (key + f"experts.{e}.gate_up_proj.bias", "up_proj"),
+                       (key + f"experts.{e}.down_proj.bias", "")}  # fmt: skip
     return shards

@@ -173,7 +173,7 @@ def _write_gguf(
 # transformers' model_type -> llama.cpp's architecture
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
               "smollm3": "smollm3", "phi3": "phi3", "qwen3_5_text": "qwen35",
-              "qwen3_moe": "qwen3moe"}  # fmt: skip
+              "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}  # fmt: skip
 _PERMUTED = ("llama", "smollm3")  # convert_hf_to_gguf's LlamaModel and its subclasses
 # Gemma3Model.norm_shift; Qwen3NextModel.modify_tensors (all norms but linear_attn's)
 _PLUS_ONE_NORMS = ("gemma3", "qwen35")
@@ -276,15 +276,30 @@ def write_family_gguf(
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gpt-oss":  # TextModel's and GptOssModel's set_gguf_parameters
+        w.add_expert_count(config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.intermediate_size)
+        w.add_sliding_window(config.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     _write_vocab(w, vocab, template, arch)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    arch_id = gguf.MODEL_ARCH[arch.upper().replace("-", "_")]
+    names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if arch == "qwen35":
             tensor, name = _qwen35_tensor(tensor.detach().float(), name, config)
-        if ".mlp." in name and arch == "qwen3moe":  # the router, each projection stacked
-            for gguf_name, data in _qwen3moe_tensors(tensor.detach().float().numpy(), name):
+        if name.endswith("self_attn.sinks"):  # GptOssModel.filter_tensors: + ".weight"
+            w.add_tensor(f"blk.{name.split('.')[2]}.attn_sinks.weight", tensor.float().numpy())
+            continue
+        moe_tensors = {"qwen3moe": _qwen3moe_tensors, "gpt-oss": _gpt_oss_tensors}.get(arch)
+        if ".mlp." in name and moe_tensors:  # the router, each projection stacked
+            for gguf_name, data in moe_tensors(tensor.detach().float().numpy(), name):
                 experts = expert_qtype or qtype
                 quantize = experts is not None and data.ndim == 3
                 w.add_tensor(gguf_name, quants.quantize(data, experts) if quantize else data,
@@ -327,6 +342,27 @@ def _qwen3moe_tensors(data: np.ndarray, name: str) -> list[tuple[str, np.ndarray
                 (f"blk.{block}.ffn_up_exps.weight", up.copy())]  # fmt: skip
     assert name.endswith("experts.down_proj"), name
     return [(f"blk.{block}.ffn_down_exps.weight", data.copy())]
+
+
+def _gpt_oss_tensors(data: np.ndarray, name: str) -> list[tuple[str, np.ndarray]]:
+    """GptOssModel.modify_tensors on float weights: the router (and its bias) as
+    `ffn_gate_inp`; each stacked projection transposed to [experts, rows, columns], gate and
+    up (interleaved by column in transformers' `gate_up_proj`) apart, biases likewise."""
+    block = name.split(".")[2]
+    exps = f"blk.{block}.ffn_{{}}_exps.{{}}"
+    if ".mlp.router." in name:
+        return [(f"blk.{block}.ffn_gate_inp.{name.rpartition('.')[2]}", data.copy())]
+    if name.endswith("gate_up_proj_bias"):
+        return [(exps.format("gate", "bias"), data[..., ::2].copy()),
+                (exps.format("up", "bias"), data[..., 1::2].copy())]  # fmt: skip
+    if name.endswith("gate_up_proj"):
+        data = data.swapaxes(-1, -2)
+        return [(exps.format("gate", "weight"), data[:, ::2].copy()),
+                (exps.format("up", "weight"), data[:, 1::2].copy())]  # fmt: skip
+    if name.endswith("down_proj_bias"):
+        return [(exps.format("down", "bias"), data.copy())]
+    assert name.endswith("experts.down_proj"), name
+    return [(exps.format("down", "weight"), data.swapaxes(-1, -2).copy())]
 
 
 def _qwen35_keys(w: GGUFWriter, config, head_dim: int, mtp: bool) -> None:
