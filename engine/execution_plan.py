@@ -372,14 +372,13 @@ def resolve_attention(
     )  # fmt: skip
     asked = config.attention_backend
     if asked == "auto":
-        if shape.sinks:  # (the paged kernels take no sinks yet)
-            return DEFAULT_BACKEND
-        if triton_applies(device, kv_int8):  # (sliding windows included)
+        # (sliding windows included; not attention sinks yet, which SDPA takes on CUDA)
+        if triton_applies(device, kv_int8) and not shape.sinks:
             return "triton"
         return "cpu-paged" if paged else DEFAULT_BACKEND
     if shape.sinks and not backend_class(asked).attention_sinks:
         raise ValueError(f"attention backend {asked!r} takes no attention sinks, which this "
-                         f"model's layers have; use sdpa")  # fmt: skip
+                         f"model's layers have; use sdpa or cpu-paged")  # fmt: skip
     if shape.sliding_window and not backend_class(asked).sliding_windows:
         raise ValueError(f"attention backend {asked!r} has no sliding window, which this "
                          f"model's layers attend; use sdpa")  # fmt: skip

@@ -45,14 +45,17 @@ class _Rows:
 
 
 class CpuPagedBackend(AttentionBackend):
+    # the kernel adds each head's sink to the softmax's sum where it merges a row's chunks
+    attention_sinks = True
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, window: int | None = None,
-        every_query_as_rows: bool = False,
+        every_query_as_rows: bool = False, sinks: bool = False,
     ) -> None:  # fmt: skip
         """``every_query_as_rows``: long prefills too go through the kernel, one row per
         token (batch invariance: a token's attention is then computed the same way whether
         it came in a prefill, a chunk, after a cached prefix or as a decode)."""
-        super().__init__(num_heads, num_kv_heads, window)
+        super().__init__(num_heads, num_kv_heads, window, sinks)
         self.max_kernel_query = sys.maxsize if every_query_as_rows else KERNEL_MAX_QUERY
         self._kernels = ggml_kernels()  # the paged decode kernel of both builds
         if self._kernels is None:
@@ -82,33 +85,38 @@ class CpuPagedBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self._prepared:
             raise RuntimeError("CpuPagedBackend.prepare(meta) must run before the step's layers")
         rows = self._rows
         if self.kernel_only_tables() is not None:  # no scatter
-            return self._attend_rows(q, k_cache, v_cache, rows, scale)
+            return self._attend_rows(q, k_cache, v_cache, rows, scale, sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if rows is not None:
-            out[rows.rows] = self._attend_rows(q[rows.rows], k_cache, v_cache, rows, scale)
+            out[rows.rows] = self._attend_rows(q[rows.rows], k_cache, v_cache, rows, scale, sinks)
         for prefill in self._prefills:
-            out[prefill.tokens] = sdpa_prefill(q[prefill.tokens], k_cache, v_cache, prefill, scale)
+            out[prefill.tokens] = sdpa_prefill(
+                q[prefill.tokens], k_cache, v_cache, prefill, scale, sinks
+            )
         return out
 
     def _attend_rows(
-        self, q: torch.Tensor, k_cache, v_cache, rows: _Rows, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k_cache, v_cache, rows: _Rows, scale: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         window = self.window or 0
         if is_quantized(k_cache) and q.dtype != torch.float32:
             # int8 rows are read by the float32 kernel (the bf16 one reads bf16 caches).
             out = self._kernels.paged_decode_attention(
                 q.float().contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens,
-                scale, window,
+                scale, window, sinks,
             )  # fmt: skip
             return out.to(q.dtype)
         return self._kernels.paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window
-        )
+            q.contiguous(), k_cache, v_cache, rows.block_tables, rows.seq_lens, scale, window,
+            sinks,
+        )  # fmt: skip
 
 
 def _plan_rows(meta: AttentionMetadata, max_query: int) -> _Rows | None:

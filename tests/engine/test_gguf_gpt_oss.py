@@ -19,6 +19,7 @@ from engine import LLM
 from engine.gguf_config import gguf_config
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import GGUFTensor, read_tensors
+from engine.kernels import ggml_kernels
 from engine.perplexity import text_logits
 from tests.engine.gguf_models import bpe_vocab, write_family_gguf
 from tests.engine.test_engine_golden import engine_greedy, hf_greedy, random_prompts
@@ -98,6 +99,26 @@ def test_mxfp4_experts_serve_from_their_blocks(files, tmp_path):
     exact = LLM(model=str(files["mxfp4"]), dtype="float32", block_size=4, num_blocks=128,
                 cache_dir=str(tmp_path))  # fmt: skip
     ids = list(range(40, 90))
-    got = torch.cat([logits for logits, _ in text_logits(llm.engine, ids)])
-    reference = torch.cat([logits for logits, _ in text_logits(exact.engine, ids)])
-    assert ((got - reference).norm() / reference.norm()).item() < 0.03
+    got = _logits(llm, ids)
+    assert _relative_error(got, _logits(exact, ids)) < 0.03
+
+
+@pytest.mark.skipif(ggml_kernels() is None, reason="the paged kernels need AVX2")
+def test_the_paged_kernel_takes_the_sinks(files, tmp_path):
+    # The plan's attention for the blocks (the paged kernel of the dtype's build, sinks
+    # added where it merges a row's chunks) against SDPA's (sinks through the log-sum-exp):
+    # the same weights and ops but the attention, so the logits differ by its rounding.
+    kw = {"model": str(files["mxfp4"]), "block_size": 4, "num_blocks": 128,
+          "cache_dir": str(tmp_path)}  # fmt: skip
+    paged, sdpa = LLM(**kw), LLM(**kw, attention_backend="sdpa")
+    assert paged.engine.core.config.plan.attention == "cpu-paged"
+    ids = list(range(40, 90))
+    assert _relative_error(_logits(paged, ids), _logits(sdpa, ids)) < 1e-3
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    return torch.cat([logits for logits, _ in text_logits(llm.engine, ids)]).float()
+
+
+def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((got - reference).norm() / reference.norm()).item()

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import get_attention_backend
 from engine.attention.reference import reference_paged_attention
-from engine.attention.sdpa import SdpaBackend
+from engine.kernels import ggml_kernels
 from engine.models.moe import SparseMoE
 from tests.engine.test_attention import make_batch
 from tests.engine.test_engine_golden import (
@@ -88,21 +89,27 @@ def test_the_sinks_and_the_clamps_change_the_answer(gpt_oss):
         assert engine_greedy(llm, prompts, NEW_TOKENS) != expected, change
 
 
-def test_sdpa_sinks_equal_the_reference_softmax_with_a_sink_column():
-    """The SDPA backend's sinks (its attention scaled by sigmoid(lse - sink)) against the
-    reference backend's (a sink column in the softmax), on decodes and a prefill over a
-    cached prefix, windowed and not."""
+BACKENDS = ["sdpa", pytest.param("cpu-paged", marks=pytest.mark.skipif(
+    ggml_kernels() is None, reason="the float32 paged kernel needs AVX2"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sinks_equal_the_reference_softmax_with_a_sink_column(name):
+    """A backend's sinks (SDPA: its attention scaled by sigmoid(lse - sink); the paged
+    kernel: the sink in the sum where it merges a row's chunks) against the reference
+    backend's (a sink column in the softmax): decodes (one over two of the kernel's
+    256-key chunks), a prefill over a cached prefix (kernel rows) and a long fresh one
+    (SDPA's), windowed and not."""
     for window in (None, 6):
-        # two decodes, a prefill over a cached prefix and a fresh one: (query, context)
-        shapes = [(1, 13), (1, 30), (9, 25), (7, 7)]
+        shapes = [(1, 13), (1, 300), (9, 25), (70, 70)]  # (query, context)
         q, k_cache, v_cache, meta, _ = make_batch(random.Random(3), shapes, 4, 2, 16,
                                                   torch.float32)  # fmt: skip
         sinks = torch.randn(4, generator=torch.Generator().manual_seed(window or 0))
-        backend = SdpaBackend(4, 2, window, sinks=True)
+        backend = get_attention_backend(name, 4, 2, window, sinks=True)
         backend.prepare(meta)
         got = backend(q, k_cache, v_cache, meta, 0.25, sinks=sinks)
         want = reference_paged_attention(q, k_cache, v_cache, meta, 0.25, window, sinks)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         plain = reference_paged_attention(q, k_cache, v_cache, meta, 0.25, window)
         assert not torch.allclose(got, plain, atol=1e-3)  # the sinks take their share
 
@@ -110,4 +117,4 @@ def test_sdpa_sinks_equal_the_reference_softmax_with_a_sink_column():
 def test_a_backend_without_sinks_is_refused(gpt_oss):
     path, _, _ = gpt_oss
     with pytest.raises(ValueError, match="takes no attention sinks"):
-        LLM(model=str(path), dtype="float32", num_blocks=32, attention_backend="cpu-paged")
+        LLM(model=str(path), dtype="float32", num_blocks=32, attention_backend="triton")

@@ -19,9 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // float32 or bf16 (bf16 where PAGEDSERVE_BF16_KERNELS is defined)
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per request against the paged KV cache (its last `window` keys "
-        "when window > 0)",
+        "when window > 0; `sinks` [H] float32: each head's sink logit in its softmax)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0, nogil);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("sinks") = py::none(), nogil);
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary q/k of a fused QKV row, k/v to the cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up row", nogil);

@@ -24,10 +24,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
-                                     int64_t window) {
+                                     int64_t window, const c10::optional<torch::Tensor>& sinks) {
   if (is_f32(q))
-    return paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-  BF16(paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, window));
+    return paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                      sinks);
+  BF16(paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                   sinks));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,

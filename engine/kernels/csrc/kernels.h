@@ -15,7 +15,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
-                                     int64_t window);
+                                     int64_t window,
+    const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
                                                       const c10::optional<torch::Tensor>& residual,
                                                       const torch::Tensor& weight, double eps);
@@ -35,7 +36,8 @@ torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& v_cache,
                                          const torch::Tensor& block_tables,
                                          const torch::Tensor& seq_lens, double scale,
-                                     int64_t window);
+                                     int64_t window,
+    const c10::optional<torch::Tensor>& sinks);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& weight, double eps);
@@ -66,7 +68,8 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
                                           const torch::Tensor& v_cache,
                                           const torch::Tensor& block_tables,
                                           const torch::Tensor& seq_lens, double scale,
-                                     int64_t window);
+                                     int64_t window,
+    const c10::optional<torch::Tensor>& sinks);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& weight, double eps);

@@ -144,7 +144,8 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
                                           const torch::Tensor& v_cache,
                                           const torch::Tensor& block_tables,
                                           const torch::Tensor& seq_lens, double scale,
-                                          int64_t window) {
+                                          int64_t window,
+                                          const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q and the caches must be bfloat16");
   auto attend = [](const Problem& p, int64_t r, int64_t g, int64_t begin, int64_t end,
                    Partial part) {
@@ -153,5 +154,5 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
     });
   };
   return paged_decode::run<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                         kLanes, attend);
+                                         sinks, kLanes, attend);
 }

@@ -108,12 +108,14 @@ std::vector<int64_t> shared_reads_first(const Problem<T, KV>& p, const std::vect
 
 // Checks the arguments, runs attend(problem, request, KV head, begin, end, partial) on
 // every (request, KV head, chunk) in parallel, and merges each request's chunks into out.
-// `lanes`: the head_dim multiple the caller's vectors need.
+// `sinks` ([H] float32, gpt-oss' attention sinks): each head's sink logit joins the merge
+// as one more term of the softmax's sum, with no value. `lanes`: the head_dim multiple
+// the caller's vectors need.
 template <typename T, typename KV = T, typename Attend>
 torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& seq_lens, double scale, int64_t window, int64_t lanes,
-                  Attend attend) {
+                  const torch::Tensor& seq_lens, double scale, int64_t window,
+                  const c10::optional<torch::Tensor>& sinks, int64_t lanes, Attend attend) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [N, H, D] and caches [blocks, block_size, KVH, D] expected");
@@ -133,6 +135,10 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be contiguous int32");
   TORCH_CHECK(block_tables.size(0) == N && seq_lens.size(0) == N, "one row per query");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == H),
+              "sinks must be [H] contiguous float32");
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;
   const Problem<T, KV> p{q.data_ptr<T>(), static_cast<const KV*>(k_cache.data_ptr()),
                          static_cast<const KV*>(v_cache.data_ptr()),
                          block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
@@ -187,10 +193,11 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t g = 0; g < KVH; ++g) {
         float* first = parts.get() + (first_task[r] + g * chunks) * part_floats;
         for (int64_t j = 0; j < G; ++j) {
-          float m = -std::numeric_limits<float>::infinity();
+          const int64_t h = g * G + j;
+          float m = sink ? sink[h] : -std::numeric_limits<float>::infinity();
           for (int64_t c = 0; c < chunks; ++c)
             m = std::max(m, Partial(first + c * part_floats, G).max[j]);
-          float total = 0.f;
+          float total = sink ? std::exp(sink[h] - m) : 0.f;
           float acc[kMaxDim] = {0.f};
           for (int64_t c = 0; c < chunks; ++c) {
             const Partial part(first + c * part_floats, G);
@@ -198,7 +205,7 @@ torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
             total += part.sum[j] * w;
             for (int64_t d = 0; d < D; ++d) acc[d] += part.acc[j * D + d] * w;
           }
-          T* dst = o + (r * H + g * G + j) * D;
+          T* dst = o + (r * H + h) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = T(acc[d] / total);
         }
       }

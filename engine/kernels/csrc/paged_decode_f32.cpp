@@ -157,7 +157,8 @@ torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& v_cache,
                                          const torch::Tensor& block_tables,
                                          const torch::Tensor& seq_lens, double scale,
-                                          int64_t window) {
+                                         int64_t window,
+                                         const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   auto attend = [](const auto& p, int64_t r, int64_t g, int64_t begin, int64_t end,
                    Partial part) {
@@ -168,7 +169,7 @@ torch::Tensor paged_decode_attention_f32(const torch::Tensor& q, const torch::Te
   };
   if (k_cache.scalar_type() == at::kChar)
     return paged_decode::run<float, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                                            kLanes, attend);
-  return paged_decode::run<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, kLanes,
-                                  attend);
+                                            sinks, kLanes, attend);
+  return paged_decode::run<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, sinks,
+                                  kLanes, attend);
 }
