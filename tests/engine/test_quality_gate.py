@@ -72,13 +72,18 @@ needs_kernels = pytest.mark.skipif(
 )  # fmt: skip
 def test_bfloat16_modes_perplexity_within_1_percent_and_greedy_agreement(reference, quantization):
     ref_ppl, ref_tokens = reference
-    # The decode path runs other code than the prefill only where the kernels do.
+    # The decode path runs other code than the prefill only where the kernels do. Without
+    # them (AVX2 CPUs, where `auto` serves float32) bf16 is torch's emulation, a path only
+    # a forced --dtype takes: its perplexity is checked, not its greedy agreement, whose
+    # generation was three quarters of this test's minute on a Zen 3.
+    native = cpu_kernels_supported()
     ppl, tokens, *decode_ppl = measure(
-        "bfloat16", decode_path=cpu_kernels_supported(), quantization=quantization, **SMALL_KV
+        "bfloat16", decode_path=native, greedy=native, quantization=quantization, **SMALL_KV
     )
     for value in (ppl, *decode_ppl):
         assert abs(value / ref_ppl - 1) < 0.01, (value, ref_ppl)
-    assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
+    if native:
+        assert agreement_before_divergence(ref_tokens, tokens) >= 0.4
 
 
 def test_int8_kv_cache_perplexity_within_1_percent(reference):
