@@ -122,3 +122,21 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got - reference).norm() / reference.norm()).item()
+
+
+def test_a_file_with_fewer_experts_than_it_says_is_refused(files):
+    # A crafted expert count is refused against the router's rows before it is counted out.
+    from engine.errors import ModelFileError
+    from engine.loader import gguf_shapes
+    from engine.model_check import check_config
+    from engine.model_config import ModelConfig
+
+    gguf = GGUFFile(files["mxfp4"])
+    gguf.metadata["gpt-oss.expert_count"] = 1 << 30
+    with pytest.raises(ModelFileError, match="router.weight is \\[8, 64\\]"):
+        check_config(ModelConfig(**gguf_config(gguf)), gguf_shapes(gguf), files["mxfp4"])
+    gguf.metadata["gpt-oss.expert_count"] = 8  # and an expert bias of another width
+    shapes = gguf_shapes(gguf)
+    shapes["model.layers.1.mlp.experts.3.up_proj.bias"] = (31,)
+    with pytest.raises(ModelFileError, match="experts.3.up_proj.bias is \\[31\\]"):
+        check_config(ModelConfig(**gguf_config(gguf)), shapes, files["mxfp4"])
