@@ -59,7 +59,7 @@ AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kern
 	tests/engine/test_engine_golden.py tests/engine/test_linear.py \
 	tests/engine/test_sliding_window_attention.py tests/engine/test_batch_invariance.py \
 	tests/engine/test_gated_delta_net.py tests/engine/test_gguf_qwen3_moe.py tests/engine/test_qwen3_moe.py \
-	-k "not test_bfloat16_modes"
+	tests/engine/test_gguf_gpt_oss.py -k "not test_bfloat16_modes"
 # On an AVX512-BF16 CPU a third pass takes a Cascade Lake Xeon's path (the AVX-512 VNNI
 # build: 512-bit VNNI GGUF kernels, float32 activations; on a Cascade Lake the first pass is
 # that path, and the AVX2 pass follows it): the build, the plan's choice of it and the GGUF
@@ -67,6 +67,7 @@ AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kern
 # and tests/engine/test_cpu_switch.py each setting in a process of its own.)
 VNNI_PASS_TESTS := tests/engine/test_float32_kernels.py \
 	tests/engine/test_gguf.py tests/engine/test_gguf_types.py tests/engine/test_gguf_qwen3_moe.py \
+	tests/engine/test_gguf_gpt_oss.py \
 	tests/engine/test_quality_gate.py::test_gguf_blocks_perplexity_within_2_percent_of_the_same_weights
 
 test: $(STAMP) chromium

@@ -111,9 +111,13 @@ def test_the_paged_kernel_takes_the_sinks(files, tmp_path):
     kw = {"model": str(files["mxfp4"]), "block_size": 4, "num_blocks": 128,
           "cache_dir": str(tmp_path)}  # fmt: skip
     paged, sdpa = LLM(**kw), LLM(**kw, attention_backend="sdpa")
-    assert paged.engine.core.config.plan.attention == "cpu-paged"
+    plan = paged.engine.core.config.plan
+    assert plan.attention == "cpu-paged"
     ids = list(range(40, 90))
-    assert _relative_error(_logits(paged, ids), _logits(sdpa, ids)) < 1e-3
+    # float32: 1.2e-7 measured (Zen 3); bf16 (AVX512-BF16 CPUs) rounds each attention output,
+    # and the int8 activations after it can round the other way. Without the sinks: 0.39.
+    bound = 1e-3 if plan.dtype == torch.float32 else 0.03
+    assert _relative_error(_logits(paged, ids), _logits(sdpa, ids)) < bound
 
 
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
