@@ -224,9 +224,7 @@ def _decode_groups(
         if windowed:  # the keys before each row's window, in its first block
             valid &= keys[None, :] >= own_keys - window
         if extra_blocks:
-            mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-            mask = mask.masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None, :].repeat(1, *heads, 1)
+            mask = additive_mask(valid)[:, None, None, :].repeat(1, *heads, 1)
         else:
             full = (own[lo:hi] == blocks * bs).all() and not windowed
             mask = None if full else valid[:, None, None, :]
@@ -323,4 +321,14 @@ def _prefix_batch(
         max_members=members,
         prefix_len=blocks * bs,
         key_bias=key_bias,
+    )
+
+
+def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A bool keep-mask as an additive float32 one (0 kept, -inf hidden); None or a float
+    mask as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
     )

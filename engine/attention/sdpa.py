@@ -22,10 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.decode_plan import DecodeGroup, DecodePlan, PrefixBatch, plan_decodes
+from engine.attention.decode_plan import (
+    DecodeGroup,
+    DecodePlan,
+    PrefixBatch,
+    additive_mask,
+    plan_decodes,
+)
 from engine.attention.kv_cache import dequantize_kv, gather_request_kv, is_quantized
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.sinks import additive_mask, sink_scale
+from engine.attention.sinks import sink_scale
 
 
 @dataclass

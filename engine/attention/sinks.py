@@ -17,12 +17,3 @@ def sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``sigmoid(lse - sink)``: each (query, head)'s share of the softmax its keys keep,
     float32, shaped as ``lse`` (whose head dimension is ``sinks``' one)."""
     return torch.sigmoid(lse.float() - sinks.float())
-
-
-def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A bool keep-mask as the additive float32 one the log-sum-exp attention takes."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-        ~mask, float("-inf")
-    )

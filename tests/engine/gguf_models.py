@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
@@ -27,6 +28,17 @@ _F16_SCALES = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1:
 UNSERVED = T.IQ1_S
 # The types `_write_gguf` writes as random blocks (the gguf package quantizes the legacy ones).
 _RANDOM_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, UNSERVED)
+
+
+def text_logits_of(llm, ids: list[int]) -> torch.Tensor:
+    """float32 logits of every position of ``ids``, fed as one text (`text_logits`)."""
+    from engine.perplexity import text_logits
+
+    return torch.cat([logits for logits, _ in text_logits(llm.engine, ids)]).float()
+
+
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((got.float() - reference).norm() / reference.norm()).item()
 
 
 def random_blocks(

@@ -69,6 +69,16 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert kv.num_free_blocks == llm.engine.core.num_blocks
 
 
+def assert_preempted_and_chunked_match(path, prompts, expected, max_new_tokens: int) -> None:
+    """A pool too small for the batch (40 blocks of 4) and 16-token steps: transformers'
+    greedy tokens through preemption and chunked prefill, every block back."""
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40,
+              max_num_batched_tokens=16)  # fmt: skip
+    assert engine_greedy(llm, prompts, max_new_tokens) == expected
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)

@@ -20,8 +20,7 @@ from engine.gguf_config import gguf_config
 from engine.gguf_file import GGUFFile
 from engine.gguf_weights import GGUFTensor, read_tensors
 from engine.kernels import ggml_kernels
-from engine.perplexity import text_logits
-from tests.engine.gguf_models import bpe_vocab, write_family_gguf
+from tests.engine.gguf_models import bpe_vocab, relative_error, text_logits_of, write_family_gguf
 from tests.engine.test_engine_golden import engine_greedy, hf_greedy, random_prompts
 from tests.engine.tiny_models import tiny_config
 
@@ -99,8 +98,8 @@ def test_mxfp4_experts_serve_from_their_blocks(files, tmp_path):
     exact = LLM(model=str(files["mxfp4"]), dtype="float32", block_size=4, num_blocks=128,
                 cache_dir=str(tmp_path))  # fmt: skip
     ids = list(range(40, 90))
-    got = _logits(llm, ids)
-    assert _relative_error(got, _logits(exact, ids)) < 0.03
+    got = text_logits_of(llm, ids)
+    assert relative_error(got, text_logits_of(exact, ids)) < 0.03
 
 
 @pytest.mark.skipif(ggml_kernels() is None, reason="the paged kernels need AVX2")
@@ -117,15 +116,7 @@ def test_the_paged_kernel_takes_the_sinks(files, tmp_path):
     # float32: 1.2e-7 measured (Zen 3); bf16 (AVX512-BF16 CPUs) rounds each attention output,
     # and the int8 activations after it can round the other way. Without the sinks: 0.39.
     bound = 1e-3 if plan.dtype == torch.float32 else 0.03
-    assert _relative_error(_logits(paged, ids), _logits(sdpa, ids)) < bound
-
-
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    return torch.cat([logits for logits, _ in text_logits(llm.engine, ids)]).float()
-
-
-def _relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((got - reference).norm() / reference.norm()).item()
+    assert relative_error(text_logits_of(paged, ids), text_logits_of(sdpa, ids)) < bound
 
 
 def test_a_file_with_fewer_experts_than_it_says_is_refused(files):

@@ -6,6 +6,7 @@ repeated as prefix-cache hits, chunked and preempted, and speculated; every bloc
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,11 +20,12 @@ from engine.models.moe import SparseMoE
 from tests.engine.test_attention import make_batch
 from tests.engine.test_engine_golden import (
     assert_all_blocks_free,
+    assert_preempted_and_chunked_match,
     engine_greedy,
     hf_greedy,
     random_prompts,
 )
-from tests.engine.test_speculative import OracleDrafter, spec_counts
+from tests.engine.test_speculative import assert_oracle_speculation_matches
 from tests.engine.tiny_models import make_tiny_model_dir
 
 NEW_TOKENS = 16
@@ -54,24 +56,11 @@ def test_batch_and_prefix_cache_hits_match_transformers(gpt_oss):
 
 
 def test_preemption_and_chunked_prefill_match_transformers(gpt_oss):
-    path, prompts, expected = gpt_oss
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40,
-              max_num_batched_tokens=16)  # fmt: skip
-    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm)
+    assert_preempted_and_chunked_match(*gpt_oss, NEW_TOKENS)
 
 
 def test_speculation_matches_transformers(gpt_oss):
-    path, prompts, expected = gpt_oss
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
-              speculative="ngram", num_speculative_tokens=4)  # fmt: skip
-    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
-    llm.engine.core.speculator.drafter = OracleDrafter(truth)
-    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    drafted, kept = spec_counts(llm)
-    assert kept >= 10 and drafted > kept
-    assert_all_blocks_free(llm)
+    assert_oracle_speculation_matches(*gpt_oss, NEW_TOKENS)
 
 
 def test_the_sinks_and_the_clamps_change_the_answer(gpt_oss):
@@ -85,7 +74,7 @@ def test_the_sinks_and_the_clamps_change_the_answer(gpt_oss):
                 layer.self_attn.sinks.fill_(float("-inf"))
             else:
                 for expert in layer.mlp.experts:
-                    expert.spec = type(expert.spec)(**{**expert.spec.__dict__, "swiglu_limit": 1e9})
+                    expert.spec = dataclasses.replace(expert.spec, swiglu_limit=1e9)
         assert engine_greedy(llm, prompts, NEW_TOKENS) != expected, change
 
 

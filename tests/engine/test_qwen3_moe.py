@@ -14,11 +14,12 @@ from engine.models.layer_ops import TorchOps, activation, rms_norm
 from engine.models.moe import SparseMoE
 from tests.engine.test_engine_golden import (
     assert_all_blocks_free,
+    assert_preempted_and_chunked_match,
     engine_greedy,
     hf_greedy,
     random_prompts,
 )
-from tests.engine.test_speculative import OracleDrafter, spec_counts
+from tests.engine.test_speculative import assert_oracle_speculation_matches
 from tests.engine.tiny_models import make_tiny_model_dir
 
 NEW_TOKENS = 16
@@ -47,24 +48,11 @@ def test_batch_and_prefix_cache_hits_match_transformers(qwen3_moe):
 
 
 def test_preemption_and_chunked_prefill_match_transformers(qwen3_moe):
-    path, prompts, expected = qwen3_moe
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40,
-              max_num_batched_tokens=16)  # fmt: skip
-    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm)
+    assert_preempted_and_chunked_match(*qwen3_moe, NEW_TOKENS)
 
 
 def test_speculation_matches_transformers(qwen3_moe):
-    path, prompts, expected = qwen3_moe
-    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
-              speculative="ngram", num_speculative_tokens=4)  # fmt: skip
-    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
-    llm.engine.core.speculator.drafter = OracleDrafter(truth)
-    assert engine_greedy(llm, prompts, NEW_TOKENS) == expected
-    drafted, kept = spec_counts(llm)
-    assert kept >= 10 and drafted > kept
-    assert_all_blocks_free(llm)
+    assert_oracle_speculation_matches(*qwen3_moe, NEW_TOKENS)
 
 
 def test_each_chosen_expert_runs_once_per_step_on_its_tokens(qwen3_moe):

@@ -79,6 +79,21 @@ def spec_counts(llm: LLM) -> tuple[int, int]:
     return stats.num_draft_tokens, stats.num_accepted_tokens
 
 
+def assert_oracle_speculation_matches(path, prompts, expected, max_new_tokens: int) -> None:
+    """ngram speculation whose drafter proposes the true tokens (`OracleDrafter`): the
+    verified output is transformers' greedy tokens, most drafts kept, every block back."""
+    from tests.engine.test_engine_golden import assert_all_blocks_free, engine_greedy
+
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=256,
+              speculative="ngram", num_speculative_tokens=4)  # fmt: skip
+    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+    llm.engine.core.speculator.drafter = OracleDrafter(truth)
+    assert engine_greedy(llm, prompts, max_new_tokens) == expected
+    drafted, kept = spec_counts(llm)
+    assert kept >= 10 and drafted > kept
+    assert_all_blocks_free(llm)
+
+
 def assert_blocks_free(llm: LLM) -> None:
     kv = llm.engine.core.kv_cache_manager
     kv.check_invariants()
