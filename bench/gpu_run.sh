@@ -6,7 +6,7 @@
 #
 #     OUT=/some/dir sh bench/gpu_run.sh          # default OUT: bench/results/gpu-<date>
 #
-# Stages (STAGES="tests step sweep profile serve", the default, or any of them), each under
+# Stages (STAGES="tests family-step family-serve step", the default, or any of these), each under
 # a timeout of at most 200 s and of what is left of BUDGET (570 s: one 10-minute device
 # call), so one that hangs cannot eat the others' time; together they write 8 files (the
 # device tool's most) into OUT:
@@ -24,13 +24,17 @@
 #   serve  the stand-in behind pagedserve (triton, graphs) and `transformers serve
 #          --continuous-batching` (bf16, cuda), shared-prefix workload at c=64
 #                                                                     -> gpu-serve.tgz/.log
+#   family-step   `step` on stand-ins of the 2026 layer kinds (FAMILIES: Qwen3.5-0.8B's
+#          Gated DeltaNet hybrid, Gemma 3 1B's sliding windows)  -> gpu-family-step.log
+#   family-serve  `serve` on the same stand-ins                   -> gpu-family-serve.log
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-$(date +%F)}
-STAGES=${STAGES:-tests step sweep profile serve}
+STAGES=${STAGES:-tests family-step family-serve step}
 STANDIN=${STANDIN:-/tmp/standin-1b}
+FAMILIES=${FAMILIES:-qwen3.5-0.8b gemma3-1b}
 BUDGET=${BUDGET:-570}
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/gpu-family
 DEADLINE=$(($(date +%s) + BUDGET))
 
 # limit CAP CMD...: run CMD under a timeout of CAP seconds or what is left of BUDGET.
@@ -55,18 +59,31 @@ export PYTHONPATH="/tmp/pagedserve-site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=
 } >"$OUT/gpu-env.txt" 2>&1
 cat "$OUT/gpu-env.txt"
 
+# standin [SHAPE DIR]: build bench/standin.py's SHAPE (default 1b) into DIR once.
 standin() {
-    [ -f "$STANDIN/config.json" ] || limit 120 python3 -m bench.standin 1b --hf-only \
-        --tokenizer .gpu/tokenizer --out "$STANDIN"
+    shape=${1:-1b}
+    dir=${2:-$STANDIN}
+    [ -f "$dir/config.json" ] || limit 120 python3 -m bench.standin "$shape" --hf-only \
+        --tokenizer .gpu/tokenizer --out "$dir"
+}
+
+# serve_compare CAP DIR OUTDIR: pagedserve (triton) against transformers serve at c=64.
+serve_compare() {
+    limit "$1" python3 -m bench compare --model "$2" \
+        --servers pagedserve,transformers-serve --dtype bfloat16 \
+        --pagedserve-args "--attention-backend triton --max-num-seqs 64" \
+        --transformers-serve-args "--device cuda --dtype bfloat16" \
+        --workload shared-prefix --concurrency 64 --num-requests 256 --max-tokens 64 \
+        --no-plots --no-progress --out "$3"
 }
 
 for stage in $STAGES; do
     echo "== $stage"
     case $stage in
     tests)
-        # 4 workers: most of the stage is Triton compiling kernel variants, on 16 cores;
+        # 8 workers: most of the stage is Triton compiling kernel variants, on 16 cores;
         # a per-test timeout names a test that hangs instead of losing the stage's log.
-        limit 180 python3 -m pytest --device cuda -m device tests/engine -q -n 4 \
+        limit 170 python3 -m pytest --device cuda -m device tests/engine -q -n 8 \
             --timeout 120 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
     step)
         standin && limit 180 python3 -m bench.gpu_step --model "$STANDIN" \
@@ -78,13 +95,22 @@ for stage in $STAGES; do
             >"$OUT/gpu-profile.txt" 2>&1
         head -3 "$OUT/gpu-profile.txt" ;;
     serve)
-        standin && limit 200 python3 -m bench compare --model "$STANDIN" \
-            --servers pagedserve,transformers-serve --dtype bfloat16 \
-            --pagedserve-args "--attention-backend triton --max-num-seqs 64" \
-            --transformers-serve-args "--device cuda --dtype bfloat16" \
-            --workload shared-prefix --concurrency 64 --num-requests 256 --max-tokens 64 \
-            --no-plots --no-progress --out /tmp/gpu-serve 2>&1 | tee "$OUT/gpu-serve.log"
+        standin && serve_compare 200 "$STANDIN" /tmp/gpu-serve 2>&1 | tee "$OUT/gpu-serve.log"
         tar czf "$OUT/gpu-serve.tgz" -C /tmp gpu-serve ;;
+    family-step)
+        for f in $FAMILIES; do
+            echo "== family-step $f"
+            standin "$f" "/tmp/standin-$f" && limit 100 python3 -m bench.gpu_step \
+                --model "/tmp/standin-$f" --context 1000 --out "/tmp/gpu-family/step-$f.json"
+        done 2>&1 | tee "$OUT/gpu-family-step.log"
+        tar czf "$OUT/gpu-family.tgz" -C /tmp gpu-family ;;
+    family-serve)
+        for f in $FAMILIES; do
+            echo "== family-serve $f"
+            standin "$f" "/tmp/standin-$f" && serve_compare 150 "/tmp/standin-$f" \
+                "/tmp/gpu-family/serve-$f"
+        done 2>&1 | tee "$OUT/gpu-family-serve.log"
+        tar czf "$OUT/gpu-family.tgz" -C /tmp gpu-family ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
