@@ -107,7 +107,9 @@ def decoding_engine(
         attention_backend=backend,
         enforce_eager=enforce_eager,
         max_num_seqs=batch,
-        num_blocks=batch * (context // BLOCK_SIZE + 24) + 160,  # fixed: no memory profiling
+        # fixed, no memory profiling; twice a request's blocks, as a windowed model's groups
+        # each hold some and a window's a whole step's chunk besides (max_blocks_held)
+        num_blocks=2 * batch * (context // BLOCK_SIZE + 24) + 1024,
         max_model_len=context + decode_tokens + BLOCK_SIZE,
     )
     engine = LLMEngine(config)

@@ -80,6 +80,12 @@ class DecoderForCausalLM(nn.Module):
             arch = _shard(arch, tp)
         self.config, self.arch, self.plan, self.tp = hf_config, arch, plan, tp
         self.dtype, self.device = plan.dtype, plan.device
+        # Gemma's sqrt(hidden_size) rounded to the model dtype, as transformers multiplies
+        # it; a Python number, so a decode step captured in a CUDA graph copies nothing.
+        self.embed_scale = (
+            None if arch.embed_scale is None
+            else torch.tensor(arch.embed_scale).to(self.dtype).item()
+        )  # fmt: skip
         self.quantization = plan.quantization.layers
         self.num_layers, self.vocab_size = arch.num_layers, arch.vocab_size
         self.num_kv_heads, self.head_dim = arch.num_kv_heads, arch.head_dim
@@ -179,10 +185,7 @@ class DecoderForCausalLM(nn.Module):
                 .ggml_dequantize(blocks.blocks, int(blocks.type), blocks.shape[1], input_ids)
                 .to(self.dtype)
             )
-        if self.arch.embed_scale is not None:  # (Gemma: sqrt(hidden_size), in the model dtype)
-            scale = torch.tensor(self.arch.embed_scale, device=rows.device)  # float32, then cast
-            rows = rows * scale.to(rows.dtype)
-        return rows
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden states -> ``[N, V]`` float32 logits."""

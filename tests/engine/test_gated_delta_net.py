@@ -47,11 +47,13 @@ def initial_states(seed: int, device, dims: GDNDims = DIMS, slots: int = 1):
 
 
 def split_heads(mixed: torch.Tensor, dims: GDNDims = DIMS):
-    """transformers' split of the conv's output [1, T, C] into q, k, v [1, T, heads, dim]."""
+    """transformers' split of the conv's output [1, T, C] into q, k, v [1, T, heads, dim],
+    q and k repeated to the value heads as its module does (from transformers 5.2x the
+    rule's functions repeat them too; 5.17's, on the GPU host, do not)."""
     q, k, v = torch.split(mixed, [dims.key_dim, dims.key_dim, dims.value_dim], dim=-1)
-    t = mixed.shape[1]
-    return (q.reshape(1, t, -1, dims.head_k_dim), k.reshape(1, t, -1, dims.head_k_dim),
-            v.reshape(1, t, -1, dims.head_v_dim))  # fmt: skip
+    t, group = mixed.shape[1], dims.num_v_heads // dims.num_k_heads
+    q, k = (x.reshape(1, t, -1, dims.head_k_dim).repeat_interleave(group, dim=2) for x in (q, k))
+    return q, k, v.reshape(1, t, -1, dims.head_v_dim)
 
 
 def hf_prefill(x, weight, conv_state, state, dims: GDNDims = DIMS):
