@@ -33,6 +33,7 @@ OUT=${OUT:-bench/results/gpu-$(date +%F)}
 STAGES=${STAGES:-tests family-step family-serve step}
 STANDIN=${STANDIN:-/tmp/standin-1b}
 FAMILIES=${FAMILIES:-qwen3.5-0.8b gemma3-1b}
+TESTS=${TESTS:-tests/engine}  # the tests stage's files
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT" /tmp/gpu-family
 DEADLINE=$(($(date +%s) + BUDGET))
@@ -83,7 +84,7 @@ for stage in $STAGES; do
     tests)
         # 8 workers: most of the stage is Triton compiling kernel variants, on 16 cores;
         # a per-test timeout names a test that hangs instead of losing the stage's log.
-        limit 170 python3 -m pytest --device cuda -m device tests/engine -q -n 8 \
+        limit 170 python3 -m pytest --device cuda -m device $TESTS -q -n 8 \
             --timeout 120 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" ;;
     step)
         standin && limit 180 python3 -m bench.gpu_step --model "$STANDIN" \
