@@ -115,6 +115,8 @@ async def serve_chat(
     prompt_text = await chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
     reading = output_reading(ctx, prompt_text, constraint is not None, generic)
+    if reading.tool_parser == "harmony":  # its channels are special tokens: keep them
+        req = req.model_copy(update={"skip_special_tokens": False})
     thinking = _thinking_budget(ctx, req, reading) if constraint is None else None
     structured = await compile_constraint(ctx, constraint)
     engine_requests = engine_requests_for_prompt(

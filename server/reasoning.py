@@ -75,7 +75,7 @@ def thinking_budget(
     return ThinkingBudget(tokens, ids(THINK_OPEN), ids(THINK_CLOSE), mode.opened)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that could still grow into `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -112,7 +112,7 @@ class ReasoningSplitter:
         if self._state == "reasoning":
             end = self._buf.find(THINK_CLOSE)
             if end < 0:
-                keep = len(self._buf) - _partial_suffix(self._buf, THINK_CLOSE)
+                keep = len(self._buf) - partial_suffix(self._buf, THINK_CLOSE)
                 reasoning, self._buf = self._buf[:keep], self._buf[keep:]
                 return reasoning, ""
             reasoning = self._buf[:end]

@@ -127,9 +127,10 @@ class ServerConfig:
         "auto",
         choices=TOOL_PARSERS,
         help='the tool-call format read under tool_choice "auto" on a template that declares '
-        "tools: hermes (<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]), or auto "
-        "(chosen by the template; default %(default)s). Templates without tools use the "
-        "generic format (docs/agents.md)",
+        "tools: hermes (<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS]), harmony "
+        "(gpt-oss' channels, its reasoning and answer too), or auto (chosen by the "
+        "template; default %(default)s). Templates without tools use the generic format "
+        "(docs/agents.md)",
     )
     return_tokens_as_token_ids: bool = flag(
         False,

@@ -27,6 +27,7 @@ from typing import Any
 
 from engine import StructuredOutputs
 from server.generic_tools import auto_constraint, declares_tools, generic_conversation
+from server.harmony import HarmonyStream, parse_harmony
 from server.output_schemas import (
     ChatMessage,
     FunctionCall,
@@ -161,10 +162,15 @@ class ToolCallReader:
         self._name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self._id = new_call_id()
         self._num_calls = 0
-        self._hermes = tool_stream(tool_parser) if self.mode == "auto" else None
+        # gpt-oss' harmony messages carry the reasoning, the answer and the calls at once.
+        harmony = tool_parser == "harmony" and self.mode in ("auto", "none")
+        self._harmony = HarmonyStream() if harmony else None
+        self._hermes = tool_stream(tool_parser) if self.mode == "auto" and not harmony else None
         self._array = CallArrayStream() if self.mode == "required" else None
 
     def message(self, text: str) -> ChatMessage:
+        if self._harmony is not None:
+            return self._harmony_message(text)
         if self._reasoning is None:
             return self._message(text)
         reasoning, text = split_reasoning(text, self._reasoning)
@@ -174,6 +180,8 @@ class ToolCallReader:
 
     def feed(self, text: str) -> dict[str, Any]:
         """The delta for newly generated text ({} when nothing can be sent yet)."""
+        if self._harmony is not None:
+            return self._harmony_delta(*self._harmony.feed(text))
         if self._reasoning is None:
             return self._feed(text)
         reasoning, text = self._reasoning.feed(text)
@@ -181,6 +189,8 @@ class ToolCallReader:
 
     def finish(self) -> dict[str, Any]:
         """The delta for whatever was held back, once the output is complete."""
+        if self._harmony is not None:
+            return self._harmony_delta(*self._harmony.finish())
         if self._reasoning is None:
             return self._finish()
         reasoning, text = self._reasoning.finish()
@@ -216,6 +226,18 @@ class ToolCallReader:
         if self.mode == "named" and not self._num_calls:
             return self._named_delta("")
         return {}
+
+    def _harmony_message(self, text: str) -> ChatMessage:
+        reasoning, content, calls = parse_harmony(text)
+        calls = calls if self.mode == "auto" else []
+        message = ChatMessage(content=content or (None if calls else ""),
+                              tool_calls=[_out(c) for c in calls])  # fmt: skip
+        message.reasoning_content = reasoning
+        return message
+
+    def _harmony_delta(self, reasoning: str, content: str, calls: list[ParsedCall]) -> dict:
+        calls = calls if self.mode == "auto" else []
+        return _with_reasoning(reasoning, self._mixed_delta(content, calls))
 
     @property
     def made_calls(self) -> bool:

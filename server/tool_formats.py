@@ -10,8 +10,11 @@
   `[TOOL_CALLS]name[ARGS]{arguments}`, one after another. Both tags are special tokens that
   the detokenizer drops by default, so the array alone, and `name{arguments}...` alone,
   are read the same way.
+* "harmony": gpt-oss' messages, a call being a message to `functions.NAME`; its reader
+  (server/harmony.py) splits out the reasoning and the answer as well, in place of the
+  reasoning parser.
 
-In the last two a call is the whole output, so the reader decides from how the output
+In "llama3_json" and "mistral" a call is the whole output, so the reader decides from how the output
 begins: text that starts like a call is held back to the end and parsed whole; text that
 cannot be one streams as content at once. A call that does not parse stays content.
 """
@@ -25,11 +28,13 @@ from typing import Any
 
 from server.tool_parsers import HermesStream, ToolCall, call_from_object, parse_hermes
 
-TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_PARSERS = ("auto", "harmony", "hermes", "llama3_json", "mistral")
 PYTHON_TAG, MISTRAL_TAG, ARGS_TAG = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")  # a function's name, as OpenAI's tools allow
-# What a template says when its model writes each format.
-_MARKERS = {"mistral": ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]"),
+# What a template says when its model writes each format (harmony: gpt-oss' channels,
+# server/harmony.py, which reads its reasoning and answer too).
+_MARKERS = {"harmony": ("<|channel|>",),
+            "mistral": ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]"),
             "llama3_json": (PYTHON_TAG, "Environment: ipython")}  # fmt: skip
 
 
