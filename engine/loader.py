@@ -46,6 +46,7 @@ from engine.gguf_fast_tokenizer import FastTokenizer
 from engine.gguf_file import GGUFFile
 from engine.gguf_tokenizer import end_of_generation_ids, gguf_tokenizer, tokenizer_config
 from engine.gguf_weights import expert_names, expert_stacks, gguf_arch, hf_name, read_tensors
+from engine.hf_mxfp4 import expert_shapes, expert_weights, is_mxfp4
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config, text_weight_name
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
@@ -313,7 +314,17 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
                 ours = text_weight_name(name, wrapped)
                 if ours is not None:
                     shapes[ours] = tuple(f.get_slice(name).get_shape())
-    return shapes
+    return expert_shapes(shapes) if holds_mxfp4(path) else shapes
+
+
+def holds_mxfp4(path: str | os.PathLike) -> bool:
+    """A Hugging Face checkpoint whose experts are MXFP4 blocks (gpt-oss': engine/hf_mxfp4.py)."""
+    return (Path(path) / "config.json").is_file() and is_mxfp4(read_model_config(path))
+
+
+def holds_blocks(path: str | os.PathLike) -> bool:
+    """Whether the model's weights come as ggml blocks: a GGUF's, or MXFP4 experts."""
+    return source_gguf(path) is not None or holds_mxfp4(path)
 
 
 def _is_multimodal(path: str | os.PathLike) -> bool:
@@ -384,9 +395,16 @@ def iter_weights(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     wrapped = _is_multimodal(path)
-    for file in files:
-        for name, tensor in _safetensors(file, lambda name: text_weight_name(name, wrapped)):
-            yield name, tensor if dtype is None else tensor.to(dtype)
+    stream = (
+        named
+        for file in files
+        for named in _safetensors(file, lambda name: text_weight_name(name, wrapped))
+    )
+    if holds_mxfp4(path):
+        stream = expert_weights(stream, str(path))
+    for name, tensor in stream:
+        cast = dtype is not None and isinstance(tensor, torch.Tensor)
+        yield name, tensor.to(dtype) if cast else tensor
 
 
 def gguf_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:

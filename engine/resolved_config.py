@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.execution_plan import ExecutionPlan, Quantization, resolve_plan
-from engine.loader import load_hf_config, resolve_model_dir, source_gguf
+from engine.loader import holds_blocks, load_hf_config, resolve_model_dir
 from engine.models.registry import get_model_class
 from kv_cache.groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
 from kv_cache.state_group import StateGroup
@@ -44,7 +44,7 @@ class ResolvedConfig:
         """Resolve everything that needs no loaded model; ValueError naming what is wrong."""
         model_dir = resolve_model_dir(config.model, config.cache_dir)
         hf_config = load_hf_config(model_dir)
-        gguf = source_gguf(model_dir) is not None
+        gguf = holds_blocks(model_dir)  # a GGUF, or gpt-oss' MXFP4 experts
         return cls(
             engine=config,
             model_dir=Path(model_dir),

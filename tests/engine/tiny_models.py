@@ -168,3 +168,41 @@ def second_eos_id(path: str | os.PathLike) -> int:
     """The eos id `make_multi_eos_model_dir` added (the one that is not the tokenizer's)."""
     eos = AutoConfig.from_pretrained(path).eos_token_id
     return next(int(t) for t in eos if t != TINY_CONFIG["eos_token_id"])
+
+
+# e2m1's sixteen values, in nibble order (OCP MX: 1 sign, 2 exponent, 1 mantissa bits)
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # fmt: skip
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+
+
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., cols]`` float weights -> gpt-oss' checkpoint bytes: ``[..., cols/32, 16]``
+    blocks (element 2k in byte k's low nibble) and ``[..., cols/32]`` e8m0 scales, each
+    group's scale the least power of two that brings its largest value within 6."""
+    groups = weight.reshape(*weight.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    index = (scaled[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)
+    return index[..., 0::2] | (index[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def make_mxfp4_gpt_oss_dir(path: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny gpt-oss checkpoint as gpt-oss' own are: its experts' stacked projections in
+    MXFP4 (``*_blocks``, ``*_scales``, rows = output features) beside float tensors, and
+    `quantization_config` saying so. transformers loads it by dequantizing (on a CPU)."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model_dir(path, "gpt_oss", seed)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name).transpose(1, 2)  # [experts, in, out] -> [experts, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(weight)
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(path)
+    config.quantization_config = MXFP4_CONFIG
+    config.save_pretrained(path)
+    return path
