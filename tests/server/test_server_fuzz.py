@@ -56,7 +56,7 @@ FUZZ_MAX_MODEL_LEN = 64
 FUZZ_MAX_SEQS = 8
 LIMITS = Limits(max_model_len=FUZZ_MAX_MODEL_LEN, max_seqs_per_request=FUZZ_MAX_SEQS)
 SEED = 20240611
-MAX_EXAMPLES = 10
+MAX_EXAMPLES = 5
 # A request with a grammar waits for its compile (server/grammar_compiler.py: an ordinary
 # thread, and --grammar-compile-timeout, 30 s, to start and 30 s to run).
 # Beside a busy loop, the hostile 100,000-300,000-character regexes (0.3 s and more to compile
