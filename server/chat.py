@@ -77,7 +77,7 @@ async def chat_prompt_text(ctx: ServingContext, req: ChatCompletionRequest) -> s
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages, tools = template_input(req, conversation(req.messages), template)
     return await ctx.chat_renderer.render(messages, req.add_generation_prompt is not False,
-                                          tools, req.chat_template_kwargs)  # fmt: skip
+                                          tools, req.template_kwargs())  # fmt: skip
 
 
 async def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:

@@ -156,7 +156,8 @@ class OutputFormat(OpenAIBaseModel):
 
 class OutputConfig(OpenAIBaseModel):
     """Structured outputs: `format` constrains the answer to a JSON schema (chat's
-    response_format json_schema); `effort` is accepted and has no effect here."""
+    response_format json_schema); `effort` (low, medium, high) is chat's reasoning_effort,
+    the chat template's variable (gpt-oss reads it); another value has no effect."""
 
     format: OutputFormat | None = None
     effort: str | None = None
@@ -242,6 +243,9 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         )  # fmt: skip
         if req.thinking is not None and req.thinking.type == "enabled":
             body["thinking_token_budget"] = _thinking_budget(req.thinking, req.max_tokens)
+        effort = req.output_config.effort if req.output_config else None
+        if effort in ("low", "medium", "high"):
+            body["reasoning_effort"] = effort
         output_format = req.output_config.format if req.output_config else None
         if output_format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {

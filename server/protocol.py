@@ -63,7 +63,6 @@ UNSUPPORTED_CHAT = (
     "audio",
     "prediction",
     "web_search_options",
-    "reasoning_effort",
     "chat_template",
     "documents",
     "continue_final_message",
@@ -105,6 +104,8 @@ TokenIds = Annotated[
 
 # Any JSON object (its nesting bounded by the body reader, server/json_body.py) whose keys
 # are not the renderer's own.
+# OpenAI's reasoning efforts (chat's `reasoning_effort`, Responses' `reasoning.effort`).
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 TemplateKwargs = Annotated[
     dict[str, Any],
     Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}),
@@ -364,6 +365,16 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: TemplateKwargs | None = Field(
         default=None, description=TEMPLATE_KWARGS_NOTE
     )
+    # The chat template's `reasoning_effort` (gpt-oss' writes it into its system message's
+    # "Reasoning:" line); a template that does not read it is unchanged. A
+    # chat_template_kwargs entry of that name wins.
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs and reasoning_effort."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:

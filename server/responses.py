@@ -17,8 +17,9 @@ and left out of the prompt. With `store` (the default) the response and its conv
 are kept in a bounded store (server/response_store.py) for `previous_response_id`, GET and
 DELETE.
 
-Not served, a 400 naming it: built-in tools (web search, file search...), reasoning
-effort, background mode, `truncation: auto`, image and file inputs.
+`reasoning.effort` is the chat template's `reasoning_effort` (gpt-oss reads it). Not
+served, a 400 naming it: built-in tools (web search, file search...), reasoning
+summaries, background mode, `truncation: auto`, image and file inputs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from engine import RequestOutput
 from server.chat import serve_chat
 from server.engine_client import EngineStream
 from server.errors import OpenAIError, bad_request, not_found
-from server.protocol import TEMPLATE_KWARGS_NOTE, ChatCompletionRequest, TemplateKwargs
+from server.protocol import (
+    TEMPLATE_KWARGS_NOTE,
+    ChatCompletionRequest,
+    ReasoningEffort,
+    TemplateKwargs,
+)
 from server.request_base import (
     FunctionName,
     MaxTokens,
@@ -124,9 +130,10 @@ class TextConfig(OpenAIBaseModel):
 
 
 class Reasoning(OpenAIBaseModel):
-    """Only an empty reasoning config is taken: this server runs no reasoning models."""
+    """`effort` is chat's `reasoning_effort` (the chat template's variable: gpt-oss reads
+    it); no summaries."""
 
-    effort: None = None
+    effort: ReasoningEffort | None = None
     summary: None = None
 
 
@@ -226,6 +233,7 @@ def chat_request(
         "parallel_tool_calls": req.parallel_tool_calls,
         "thinking_token_budget": req.thinking_token_budget,
         "chat_template_kwargs": req.chat_template_kwargs,
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
     }  # fmt: skip
     if req.tools:
         body["tools"] = [

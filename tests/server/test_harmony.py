@@ -2,7 +2,8 @@
 every chunk size; through the server on a tiny gpt-oss whose tokenizer has harmony's
 special tokens and whose template writes harmony, its output forced (a one-string
 guided_choice) to an analysis message and an answer, or to a call: reasoning, content and
-tool calls on chat completions, whole and streamed; and the Messages and Responses views
+tool calls on chat completions, whole and streamed, and a tool loop through the OpenAI SDK;
+the reasoning effort into the template; and the Messages and Responses views
 (which take no guided_choice) over the same outputs, whole and streamed."""
 
 from __future__ import annotations
@@ -79,11 +80,20 @@ SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>
 # A short harmony template: the tools as a developer message, each turn a message, the
 # generation prompt `<|start|>assistant` (gpt-oss' own also renders earlier calls and
 # reasoning; the reader does not depend on it).
-TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools
+TEMPLATE = """<|start|>system<|message|>Reasoning: {{ reasoning_effort | default("as the request leaves it: medium") }}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
 {% for tool in tools %}{{ tool.function.name }}: {{ tool.function.description }}
 {% endfor %}<|end|>{% endif -%}
-{%- for message in messages %}{% if message.role == "assistant" -%}
+{%- set ns = namespace(called="") %}
+{%- for message in messages %}{% if message.role == "assistant" and message.tool_calls -%}
+{%- for call in message.tool_calls %}{% set ns.called = call.function.name -%}
+<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary json<|message|>
+{%- if call.function.arguments is mapping %}{{ call.function.arguments | tojson }}
+{%- else %}{{ call.function.arguments }}{% endif %}<|call|>{% endfor -%}
+{%- elif message.role == "assistant" -%}
 <|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>
+{%- elif message.role == "tool" -%}
+<|start|>functions.{{ ns.called }} to=assistant<|channel|>commentary<|message|>{{ message.content }}<|end|>
 {%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{% endif %}{% endfor -%}
 {%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
 ASK = [{"role": "user", "content": "Capital of France?"}]
@@ -148,10 +158,52 @@ def test_chat_reads_a_call_whole_and_streamed(server):
     ]
 
 
+def test_an_openai_sdk_tool_loop_goes_through_harmony(server):
+    """The call, its result sent back (rendered as harmony's call and tool messages), and
+    the answer that uses it (forced)."""
+    client = server.openai()
+    first = client.chat.completions.create(**_forced(ANALYSIS + CALL, tools=TOOLS)).choices[0]
+    (call,) = first.message.tool_calls
+    messages = [*ASK, first.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]  # fmt: skip
+    prompt = server.http().post("/tokenize", json={"model": MODEL_NAME, "messages": messages,
+                                                   "tools": TOOLS}).json()["tokens"]  # fmt: skip
+    text = server.http().post("/detokenize", json={"model": MODEL_NAME, "tokens": prompt})
+    assert "assistant to=functions.get_weather" in text.json()["prompt"]
+    assert "functions.get_weather to=assistant" in text.json()["prompt"]
+    answer = "<|channel|>final<|message|>18 C and sunny in Paris."
+    second = client.chat.completions.create(**{**_forced(answer, tools=TOOLS),
+                                               "messages": messages}).choices[0]  # fmt: skip
+    assert second.message.content == "18 C and sunny in Paris." and second.finish_reason == "stop"
+
+
 def test_tool_choice_none_reads_no_call(server):
     args = _forced(ANALYSIS + CALL, tools=TOOLS, tool_choice="none")
     choice = server.openai().chat.completions.create(**args).choices[0]
     assert not choice.message.tool_calls and choice.finish_reason == "stop"
+
+
+def test_reasoning_effort_reaches_the_template_on_chat_and_responses(server):
+    def tokens(**kwargs) -> int:
+        body = {"model": MODEL_NAME, "messages": ASK, **kwargs}
+        return server.http().post("/tokenize", json=body).json()["count"]
+
+    high, unstated = tokens(chat_template_kwargs={"reasoning_effort": "high"}), tokens()
+    assert high != unstated
+    client = server.openai()
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=1,
+                                          reasoning_effort="high")  # fmt: skip
+    assert chat.usage.prompt_tokens == high
+    answer = client.responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=1,
+                                     reasoning={"effort": "high"})  # fmt: skip
+    assert answer.usage.input_tokens == high
+    message = server.http().post("/v1/messages", json={
+        "model": MODEL_NAME, "messages": ASK, "max_tokens": 1,
+        "output_config": {"effort": "high"}}).json()  # fmt: skip
+    assert message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"] == high
+    bad = server.http().post("/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": ASK, "reasoning_effort": "extreme"})  # fmt: skip
+    assert bad.status_code == 400 and "reasoning_effort" in bad.text
 
 
 # Messages and Responses take no guided_choice to force the output, so their views (the

@@ -166,7 +166,7 @@ def test_stored_responses_can_be_read_and_deleted(server):
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         # A reasoning item sent back is taken (tests/server/test_reasoning.py); a malformed
         # one is not.
         ({"input": [{"type": "reasoning", "summary": "not a list"}]}, "input"),
