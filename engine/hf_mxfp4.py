@@ -61,13 +61,12 @@ def _experts(prefix: str, stack: str, blocks: torch.Tensor, scales: torch.Tensor
         raise ModelFileError(f"{where}: {stack}_blocks {list(blocks.shape)} and _scales "
                              f"{list(scales.shape)} are not [E, rows, G, 16] and [E, rows, G]")  # fmt: skip
     cols = blocks.shape[2] * BLOCK
-    mxfp4 = QType.MXFP4
+    rows = ((("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2)))
+            if stack == "gate_up_proj" else (("down_proj", slice(None)),))  # fmt: skip
     for e in range(blocks.shape[0]):
-        rows = ((("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2)))
-                if stack == "gate_up_proj" else (("down_proj", slice(None)),))  # fmt: skip
         for proj, sel in rows:
             b = ggml_blocks(blocks[e, sel], scales[e, sel])
-            yield f"{prefix}{e}.{proj}.weight", GGUFTensor(b, mxfp4, (b.shape[0], cols))
+            yield f"{prefix}{e}.{proj}.weight", GGUFTensor(b, QType.MXFP4, (b.shape[0], cols))
 
 
 def _biases(prefix: str, stack: str, bias: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

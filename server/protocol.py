@@ -102,10 +102,10 @@ TokenIds = Annotated[
 ]
 
 
-# Any JSON object (its nesting bounded by the body reader, server/json_body.py) whose keys
-# are not the renderer's own.
 # OpenAI's reasoning efforts (chat's `reasoning_effort`, Responses' `reasoning.effort`).
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+# Any JSON object (its nesting bounded by the body reader, server/json_body.py) whose keys
+# are not the renderer's own.
 TemplateKwargs = Annotated[
     dict[str, Any],
     Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}),

@@ -229,15 +229,18 @@ class ToolCallReader:
 
     def _harmony_message(self, text: str) -> ChatMessage:
         reasoning, content, calls = parse_harmony(text)
-        calls = calls if self.mode == "auto" else []
+        calls = self._harmony_calls(calls)
         message = ChatMessage(content=content or (None if calls else ""),
                               tool_calls=[_out(c) for c in calls])  # fmt: skip
         message.reasoning_content = reasoning
         return message
 
     def _harmony_delta(self, reasoning: str, content: str, calls: list[ParsedCall]) -> dict:
-        calls = calls if self.mode == "auto" else []
-        return _with_reasoning(reasoning, self._mixed_delta(content, calls))
+        return _with_reasoning(reasoning, self._mixed_delta(content, self._harmony_calls(calls)))
+
+    def _harmony_calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        """The calls read: all under "auto", none under "none" (their messages dropped)."""
+        return calls if self.mode == "auto" else []
 
     @property
     def made_calls(self) -> bool:
