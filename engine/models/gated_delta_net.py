@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import bf16_cpu_kernels
+from engine.kernels import layer_kernels
 
 CHUNK = 64  # the chunked form's longest chunk, as transformers' torch_chunk_gated_delta_rule
 L2NORM_EPS = 1e-6
@@ -190,11 +190,13 @@ def gdn_decode(
     states: torch.Tensor,
     slots: torch.Tensor,
     dims: GDNDims,
+    quantization: str | None = None,
 ) -> torch.Tensor:
     """One token for each of B requests: ``mixed_qkv [B, C]``, ``g``, ``beta [B, Hv]``; one
     recurrent step each on the pools ``conv_states [S, C, K-1]`` and ``states [S, Hv, Dk,
-    Dv]`` at ``slots [B]`` (distinct), in place. Returns ``[B, Hv, Dv]`` in mixed_qkv's dtype."""
-    kernels = decode_kernels(mixed_qkv, conv_weight, conv_states, states, dims)
+    Dv]`` at ``slots [B]`` (distinct), in place. Returns ``[B, Hv, Dv]`` in mixed_qkv's dtype.
+    ``quantization``: the layer's projections' (`decode_kernels` reads it)."""
+    kernels = decode_kernels(mixed_qkv, conv_weight, conv_states, states, dims, quantization)
     if kernels is not None:
         return kernels.gated_delta_decode(
             mixed_qkv.contiguous(), g.float().contiguous(), beta.float().contiguous(),
@@ -210,11 +212,14 @@ def decode_kernels(
     conv_states: torch.Tensor,
     states: torch.Tensor,
     dims: GDNDims,
+    quantization: str | None = None,
 ) -> ModuleType | None:
     """The native module whose ``gated_delta_decode`` serves this step, or None (torch's
-    ops). As for the layer ops (`engine.kernels.layer_kernels`): bf16 on a CPU with the
-    AVX512-BF16 build; float32 stays torch's ops, the reference path (the kernel computes
-    float32 too, and is tested equal to the ops, for a float32 GGUF's layers to use)."""
+    ops). The rule of the layer ops (`engine.kernels.layer_kernels`): bf16 on a CPU with the
+    AVX512-BF16 build; float32 where a GGUF's blocks serve the projections (any build: the
+    GGUF path on an AVX2 or a VNNI CPU, where torch's ~20 ops took a third of a Qwen3.5
+    stand-in's decode step, bench/README.md); other float32 models stay on torch's ops, the
+    token-exact reference (the kernel equals them up to the order of float32 sums)."""
     fits = (
         conv_weight.dtype == conv_states.dtype == mixed_qkv.dtype
         and states.dtype == torch.float32
@@ -223,7 +228,7 @@ def decode_kernels(
         and conv_states.is_contiguous()  # the pools are written in place
         and states.is_contiguous()
     )
-    return bf16_cpu_kernels(mixed_qkv.dtype, mixed_qkv.device) if fits else None
+    return layer_kernels(mixed_qkv.dtype, mixed_qkv.device, quantization) if fits else None
 
 
 def decode_torch(

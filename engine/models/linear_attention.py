@@ -82,7 +82,8 @@ class GatedDeltaNet(nn.Module):
         rows = meta.decode_rows
         if rows.numel():
             core[rows] = gdn_decode(mixed[rows], g[rows], beta[rows], weight, conv, rec,
-                                    meta.decode_slots, self.dims)  # fmt: skip
+                                    meta.decode_slots, self.dims,
+                                    self.in_proj.quantization)  # fmt: skip
             self._save_after_decode(states, meta)
         out = self._gated_norm(core, z.reshape(-1, h, spec.head_v_dim))
         return self.out_proj(out.reshape(x.shape[0], spec.value_dim))

@@ -297,3 +297,23 @@ def test_bf16_decode_on_cpu_runs_the_kernel(monkeypatch) -> None:
     out = gdn_decode(mixed, x["g"], x["beta"], weight, conv_states.to(torch.bfloat16), states,
                      torch.tensor([2, 0]), DIMS)  # fmt: skip
     assert out.shape == (2, DIMS.num_v_heads, DIMS.head_v_dim)
+
+
+@needs_kernels
+def test_float32_decode_of_a_gguf_layer_runs_the_kernel(monkeypatch) -> None:
+    """float32 activations where a GGUF's blocks serve the projections (the GGUF path on a
+    CPU without AVX512-BF16) take the native step, equal to torch's ops; a float32 layer of
+    other weights stays on torch's ops, the token-exact reference."""
+    x, weight = inputs(2, seed=29, device="cpu"), weights(30, "cpu")
+    pools = initial_states(31, "cpu", slots=3)
+    expected = decode_torch(**x, conv_weight=weight, conv_states=pools[0].clone(),
+                            states=pools[1].clone(), slots=torch.tensor([2, 0]), dims=DIMS)  # fmt: skip
+    assert gated_delta_net.decode_kernels(x["mixed_qkv"], weight, *pools, DIMS) is None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's ops ran")
+
+    monkeypatch.setattr(gated_delta_net, "decode_torch", refuse)
+    out = gdn_decode(**x, conv_weight=weight, conv_states=pools[0], states=pools[1],
+                     slots=torch.tensor([2, 0]), dims=DIMS, quantization="gguf")  # fmt: skip
+    close(out, expected)

@@ -23,8 +23,6 @@ using pagedserve_avx2::exp_ps;
 using pagedserve_avx2::hsum;
 using pagedserve_avx2::kLanes;
 
-constexpr int64_t kChannelsPerTask = 512;
-
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 
@@ -85,6 +83,28 @@ void delta_tile(float* S, const float* q, const float* k, const float* v, float*
   for (int r = 0; r < NB; ++r) _mm256_storeu_ps(out + j + r * kLanes, acc[r]);
 }
 
+// The conv step on channels [c0, c1) of request b (each channel's state shifted left by one
+// input), silu, rounded to T, into buf.
+template <typename T>
+void conv_step(const T* x, const T* w, T* conv, float* buf, int64_t C, int64_t K, int64_t c0,
+               int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    T* cs = conv + c * (K - 1);
+    const T* wc = w + c * K;
+    const T xc = x[c];
+    float acc = 0.f;
+    for (int64_t j = 0; j < K - 1; ++j) acc += to_float(wc[j]) * to_float(cs[j]);
+    buf[c] = acc + to_float(wc[K - 1]) * to_float(xc);
+    for (int64_t j = 0; j + 1 < K - 1; ++j) cs[j] = cs[j + 1];
+    cs[K - 2] = xc;
+  }
+  silu_rounded<T>(buf + c0, c1 - c0);
+}
+
+// One parallel region, a task per (request, key head): the conv channels of its q, its k
+// and its value heads' v, its q and k normalised, then its value heads' steps. No task
+// reads what another writes, so a step forks and joins the threads once (three regions
+// cost more than the arithmetic at batch 1: each join waits for the slowest thread).
 template <typename T>
 void decode(const torch::Tensor& mixed_qkv, const torch::Tensor& g, const torch::Tensor& beta,
             const torch::Tensor& conv_weight, torch::Tensor& conv_states, torch::Tensor& states,
@@ -104,46 +124,29 @@ void decode(const torch::Tensor& mixed_qkv, const torch::Tensor& g, const torch:
   torch::Tensor out_f = std::is_same_v<T, float> ? out : torch::empty({B, Hv, Dv}, qkv.options());
   float* op = out_f.template data_ptr<float>();
 
-  // The conv step (its state shifted left by one input), silu, rounded to T.
-  const int64_t blocks = (C + kChannelsPerTask - 1) / kChannelsPerTask;
-  at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / blocks, c0 = task % blocks * kChannelsPerTask;
-      const int64_t c1 = std::min(C, c0 + kChannelsPerTask);
-      for (int64_t c = c0; c < c1; ++c) {
-        T* cs = conv + (sp[b] * C + c) * (K - 1);
-        const T* wc = w + c * K;
-        const T xc = x[b * C + c];
-        float acc = 0.f;
-        for (int64_t j = 0; j < K - 1; ++j) acc += to_float(wc[j]) * to_float(cs[j]);
-        buf[b * C + c] = acc + to_float(wc[K - 1]) * to_float(xc);
-        for (int64_t j = 0; j + 1 < K - 1; ++j) cs[j] = cs[j + 1];
-        cs[K - 2] = xc;
-      }
-      silu_rounded<T>(buf + b * C + c0, c1 - c0);
-    }
-  });
-  // q and k of each key head normalised (q scaled), then each value head's step.
   at::parallel_for(0, B * num_k_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      float* qk = buf + task / num_k_heads * C + task % num_k_heads * Dk;
-      l2norm(qk, Dk, 1.f / std::sqrt(static_cast<float>(Dk)));
-      l2norm(qk + key_dim, Dk, 1.f);
-    }
-  });
-  at::parallel_for(0, B * Hv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hv, h = task % Hv, kh = h / rep;
-      float* S = st + (sp[b] * Hv + h) * Dk * Dv;
-      const float* q = buf + b * C + kh * Dk;
-      const float* k = q + key_dim;
-      const float* v = buf + b * C + 2 * key_dim + h * Dv;
-      const float decay = std::exp(gp[task]), bt = bp[task];
-      float* o = op + task * Dv;
-      int64_t j = 0;
-      for (; j + 8 * kLanes <= Dv; j += 8 * kLanes)
-        delta_tile<8>(S, q, k, v, o, Dk, Dv, j, decay, bt);
-      for (; j < Dv; j += kLanes) delta_tile<1>(S, q, k, v, o, Dk, Dv, j, decay, bt);
+      const int64_t b = task / num_k_heads, kh = task % num_k_heads;
+      const T* xb = x + b * C;
+      T* cb = conv + sp[b] * C * (K - 1);
+      float* qkv_b = buf + b * C;
+      const int64_t q0 = kh * Dk, k0 = key_dim + kh * Dk, v0 = 2 * key_dim + kh * rep * Dv;
+      for (const int64_t c0 : {q0, k0}) conv_step<T>(xb, w, cb, qkv_b, C, K, c0, c0 + Dk);
+      conv_step<T>(xb, w, cb, qkv_b, C, K, v0, v0 + rep * Dv);
+      float* q = qkv_b + q0;
+      float* k = qkv_b + k0;
+      l2norm(q, Dk, 1.f / std::sqrt(static_cast<float>(Dk)));
+      l2norm(k, Dk, 1.f);
+      for (int64_t h = kh * rep; h < (kh + 1) * rep; ++h) {
+        float* S = st + (sp[b] * Hv + h) * Dk * Dv;
+        const float* v = qkv_b + 2 * key_dim + h * Dv;
+        const float decay = std::exp(gp[b * Hv + h]), bt = bp[b * Hv + h];
+        float* o = op + (b * Hv + h) * Dv;
+        int64_t j = 0;
+        for (; j + 8 * kLanes <= Dv; j += 8 * kLanes)
+          delta_tile<8>(S, q, k, v, o, Dk, Dv, j, decay, bt);
+        for (; j < Dv; j += kLanes) delta_tile<1>(S, q, k, v, o, Dk, Dv, j, decay, bt);
+      }
     }
   });
   if constexpr (!std::is_same_v<T, float>) out.copy_(out_f);
