@@ -1,7 +1,11 @@
 """Two engine replicas on a local Ray instance behind the ingress, with the OpenAI SDK.
 
-One module-scoped Ray instance (about 20 s to start on 2 cores), a tiny model, bounded
-requests. The replica-kill test runs last: Ray Serve replaces the replica it kills.
+One Ray instance (about 20 s to start on 2 cores, 50 s beside a busy pytest worker), a
+tiny model, bounded requests. The checks run in one test, in order, each reported by name
+when it fails (the others still run): `make test` runs the suite with `--dist worksteal`,
+which hands a module's tests to either worker (it ignores xdist_group), and two workers
+each started Ray for the same module. The replica-kill check runs last: Ray Serve replaces
+the replica it kills.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -50,10 +56,12 @@ STREAMS_END_S = 900
 # A replacement replica starts a worker, imports torch and loads the model: 90 s was not
 # enough beside two busy loops and the other pytest worker (load run 6, 2026-11-27).
 REPLACE_S = 300
-# The module's Ray instance, two replicas and the ingress are set up in its first test's
-# time: beside two busy processes that took over 10 minutes (replicas 5, the ingress 7),
-# and the suite's 600 s per-test limit (pyproject.toml) ended the worker twice.
-pytestmark = pytest.mark.timeout(1800)
+# The module's Ray instance, two replicas and the ingress are set up in its test's time:
+# beside two busy processes that took over 10 minutes (replicas 5, the ingress 7), and the
+# suite's 600 s per-test limit (pyproject.toml) ended the worker twice. The set-up had
+# 1800 s in the first of five tests, each check after it 1800 s of its own; the one test
+# holding them all gets 3600 s (the kill check alone may wait STREAMS_END_S + REPLACE_S).
+pytestmark = pytest.mark.timeout(3600)
 SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S),
                     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(SLOW_MACHINE_S)}  # fmt: skip
 
@@ -103,7 +111,7 @@ def settled(read: Any, period_s: float = 1.5, timeout_s: float = 30) -> Any:
     raise AssertionError(f"the replicas' metrics kept moving for {timeout_s} s: {last}")
 
 
-def test_answers_equal_a_single_engine(ingress, tiny_model_dir):
+def check_answers_equal_a_single_engine(ingress, tiny_model_dir):
     prompts = [random_ids(9000 + i, 40) for i in range(4)]
     engine = make_engine(tiny_model_dir, **ENGINE)
     for i, prompt in enumerate(prompts):
@@ -122,7 +130,7 @@ def test_answers_equal_a_single_engine(ingress, tiny_model_dir):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected["ref-0"]
 
 
-def test_errors_are_the_single_servers(ingress):
+def check_errors_are_the_single_servers(ingress):
     response = httpx.post(f"{ingress}/v1/completions", json={"prompt": "hi", "max_tokens": 5000})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
@@ -130,10 +138,10 @@ def test_errors_are_the_single_servers(ingress):
     assert response.status_code == 404
 
 
-def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
+def check_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
     prefix = random_ids(9100, 96)  # 6 blocks
     success = "pagedserve:request_success_total"
-    # The baseline counts every request of the earlier tests: the replicas' stats reach the
+    # The baseline counts every request of the earlier checks: the replicas' stats reach the
     # ingress about every second, so it is taken once two reads a period apart agree.
     before = settled(lambda: per_replica(ingress, success, finished_reason="length"))
     sdk = client(ingress)
@@ -153,7 +161,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(ingress):
     assert max(hits.values()) >= 5 * 96, hits  # the 5 followers found the whole prefix
 
 
-def test_a_disconnect_frees_the_replicas_blocks(ingress):
+def check_a_disconnect_frees_the_replicas_blocks(ingress):
     with httpx.stream("POST", f"{ingress}/v1/completions", json={
         "prompt": random_ids(9300, 30), "max_tokens": 800, "stream": True, "ignore_eos": True,
     }) as response:  # fmt: skip
@@ -177,7 +185,7 @@ def _stream(url: str, seed: int, results: list[str]) -> None:
         results.append(f"http error: {exc}")
 
 
-def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
+def check_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
     results: list[str] = []
     threads: list[threading.Thread] = []
     running = "pagedserve:num_requests_running"
@@ -227,3 +235,25 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ingress):
 
     wait_until(replaced, REPLACE_S, "Ray Serve did not replace the killed replica")
     print(json.dumps(results))
+
+
+def test_replicas_behind_the_ingress(ingress, tiny_model_dir):
+    """Each check against the one Ray instance, in order (the prefix check's baseline
+    settles after the earlier checks' requests; the kill check goes last, its victim is
+    replaced). A failed check is reported by name with its traceback, and the checks after
+    it still run, as they did when each was a test of its own."""
+    checks: list[Callable[[str], None]] = [
+        partial(check_answers_equal_a_single_engine, tiny_model_dir=tiny_model_dir),
+        check_errors_are_the_single_servers,
+        check_requests_sharing_a_prefix_land_on_the_replica_that_caches_it,
+        check_a_disconnect_frees_the_replicas_blocks,
+        check_a_killed_replica_fails_its_requests_and_is_replaced,
+    ]
+    failures: list[str] = []
+    for check in checks:
+        try:
+            check(ingress)
+        except Exception:
+            name = getattr(check, "func", check).__name__
+            failures.append(f"--- {name} failed:\n{traceback.format_exc()}")
+    assert not failures, "\n".join(failures)
