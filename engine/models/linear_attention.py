@@ -70,23 +70,33 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         # In float32, as transformers computes it (in a 16-bit dtype A could reach -inf).
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = x.new_empty(x.shape[0], h, spec.head_v_dim)
         conv, rec = states
         weight = self.conv_weight[:, 0]
+        rows = meta.decode_rows
+        if not meta.prefills and rows.numel() == x.shape[0]:  # every row a request's token
+            core = gdn_decode(mixed, g, beta, weight, conv, rec, meta.decode_slots, self.dims,
+                              self.in_proj.quantization)  # fmt: skip
+            self._save_after_decode(states, meta)
+            return self._out(core, z, x.shape[0])
+        core = x.new_empty(x.shape[0], h, spec.head_v_dim)
         for r in meta.prefills:
             s, e = meta.query_start[r], meta.query_start[r + 1]
             slot = meta.slots[r]
             saves = [(t, conv[d], rec[d]) for t, d in meta.saves[r]]
             core[s:e] = gdn_prefill(mixed[s:e], g[s:e], beta[s:e], weight, conv[slot],
                                     rec[slot], self.dims, saves)  # fmt: skip
-        rows = meta.decode_rows
         if rows.numel():
             core[rows] = gdn_decode(mixed[rows], g[rows], beta[rows], weight, conv, rec,
                                     meta.decode_slots, self.dims,
                                     self.in_proj.quantization)  # fmt: skip
             self._save_after_decode(states, meta)
-        out = self._gated_norm(core, z.reshape(-1, h, spec.head_v_dim))
-        return self.out_proj(out.reshape(x.shape[0], spec.value_dim))
+        return self._out(core, z, x.shape[0])
+
+    def _out(self, core: torch.Tensor, z: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The core output ``[T, Hv, Dv]`` through the gated norm and the out projection."""
+        spec = self.spec
+        out = self._gated_norm(core, z.reshape(-1, spec.num_v_heads, spec.head_v_dim))
+        return self.out_proj(out.reshape(tokens, spec.value_dim))
 
     @staticmethod
     def _save_after_decode(states: StateTensors, meta: StateMetadata) -> None:
