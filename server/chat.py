@@ -110,8 +110,10 @@ async def serve_chat(
     into it (Anthropic's Messages, OpenAI's Responses), so a conversation renders to the
     same tokens in each and its output is read the same way."""
     check_request(ctx, req, endpoint, 1, check_chat_supported)
-    generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
-    constraint = output_constraint(req, generic)
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    generic = not declares_tools(template)
+    harmony = not generic and resolve_tool_parser(ctx.tool_call_parser, template) == "harmony"
+    constraint = output_constraint(req, generic, harmony)
     prompt_text = await chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
     reading = output_reading(ctx, prompt_text, constraint is not None, generic)

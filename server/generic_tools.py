@@ -135,15 +135,15 @@ def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
     name = json.dumps(tool["function"]["name"], ensure_ascii=False)
     schema = tool["function"].get("parameters") or _NO_PARAMETERS
     return {"type": "tag", "begin": f'{OPEN_TAG}\n{{"name": {name}, "arguments": ',
-            "content": _json_format(schema), "end": f"}}\n{CLOSE_TAG}"}  # fmt: skip
+            "content": json_format(schema), "end": f"}}\n{CLOSE_TAG}"}  # fmt: skip
 
 
 def answer_format(spec: StructuredOutputs) -> dict[str, Any]:
     """A structured-output constraint as a structural tag's format."""
     if spec.kind == "json":
-        return _json_format(json.loads(spec.spec))
+        return json_format(json.loads(spec.spec))
     if spec.kind == "json_object":
-        return _json_format({"type": "object"})
+        return json_format({"type": "object"})
     if spec.kind == "regex":
         return {"type": "regex", "pattern": spec.spec}
     if spec.kind == "choice":
@@ -154,7 +154,8 @@ def answer_format(spec: StructuredOutputs) -> dict[str, Any]:
     raise ValueError(f"a {spec.kind} constraint cannot be a tool loop's answer")
 
 
-def _json_format(schema: Any) -> dict[str, Any]:
+def json_format(schema: Any) -> dict[str, Any]:
+    """A JSON schema as a structural tag's format, its whitespace runs bounded."""
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 

@@ -16,12 +16,20 @@ commentary preambles) is the content. Output without any header (a constrained a
 all content. The markers are special tokens, so a harmony request's text keeps them
 (`skip_special_tokens` off: server/chat.py). Built-in tools (`browser.*`, `python`) are not
 served: a message to them is dropped.
+
+Under tool_choice "required" or a named function the output is held to the format too
+(`call_constraint`): one call message on the commentary channel, its body the function's
+arguments, ended by `<|call|>` (which ends gpt-oss' turn, so one call a turn).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
+from engine import StructuredOutputs
+from server.generic_tools import json_format
 from server.reasoning import partial_suffix
 from server.tool_parsers import ToolCall, call_from_object
 
@@ -31,6 +39,17 @@ MESSAGE_ENDS = (END, CALL, RETURN)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 FUNCTIONS = "functions."
+
+
+def call_constraint(tools: list[tuple[str, dict[str, Any]]]) -> StructuredOutputs:
+    """One harmony call message to one of ``tools`` ((name, parameters schema) pairs): the
+    header fixed but for the name, the body that function's arguments."""
+    tags = [{"type": "tag", "content": json_format(schema), "end": CALL,
+             "begin": f"{CHANNEL}commentary to={FUNCTIONS}{name} <|constrain|>json{MESSAGE}"}
+            for name, schema in tools]  # fmt: skip
+    form = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    tag = {"type": "structural_tag", "format": form}
+    return StructuredOutputs("structural_tag", json.dumps(tag, ensure_ascii=False))
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:

@@ -7,6 +7,8 @@
 * "required": the output is constrained to a JSON array of `{"name", "parameters"}`
   objects, one per call (vLLM's form), at least one; one at most with
   `parallel_tool_calls: false`.
+  Where the output is gpt-oss' harmony (server/harmony.py), both are one harmony call
+  message instead, to that function or to one of the tools: the model's own format.
 * "auto": the model answers in text or with calls, parsed out of that text. A chat
   template that declares tool support shows the model its tools, nothing is constrained,
   and the calls are read in the template's format (server/tool_formats.py: Hermes
@@ -27,7 +29,7 @@ from typing import Any
 
 from engine import StructuredOutputs
 from server.generic_tools import auto_constraint, declares_tools, generic_conversation
-from server.harmony import HarmonyStream, parse_harmony
+from server.harmony import HarmonyStream, call_constraint, parse_harmony
 from server.output_schemas import (
     ChatMessage,
     FunctionCall,
@@ -50,11 +52,17 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def tool_constraint(
-    req: ChatCompletionRequest, generic: bool = False
+    req: ChatCompletionRequest, generic: bool = False, harmony: bool = False
 ) -> tuple[StructuredOutputs, str] | None:
     """The grammar a request's tool_choice asks for, and the field it comes from; `generic`:
-    the template has no place for tools (the generic format's "auto" is constrained)."""
+    the template has no place for tools (the generic format's "auto" is constrained);
+    `harmony`: the output is read as harmony."""
     mode = req.tool_mode
+    if harmony and mode in ("named", "required"):
+        name = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        tools = [(t.function.name, _parameters(t)) for t in req.tools or ()
+                 if name in (None, t.function.name)]  # fmt: skip
+        return call_constraint(tools), "tools"
     if mode == "auto" and generic:
         return auto_constraint(tool_dicts(req), req.parallel_tool_calls is False), "tools"
     if mode == "named":
@@ -69,7 +77,7 @@ def tool_constraint(
 
 
 def output_constraint(
-    req: ChatCompletionRequest, generic: bool = False
+    req: ChatCompletionRequest, generic: bool = False, harmony: bool = False
 ) -> tuple[StructuredOutputs, str] | None:
     """The chat request's one output constraint: its structured-output fields' or its
     tools'; 400 when both give one."""
@@ -79,7 +87,7 @@ def output_constraint(
         # it is reported against the answer's field, the part clients write by hand.
         single = req.parallel_tool_calls is False
         return auto_constraint(tool_dicts(req), single, answer[0]), answer[1]
-    found = [c for c in (answer, tool_constraint(req, generic)) if c is not None]
+    found = [c for c in (answer, tool_constraint(req, generic, harmony)) if c is not None]
     return at_most_one_constraint(found)
 
 
@@ -162,11 +170,12 @@ class ToolCallReader:
         self._name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self._id = new_call_id()
         self._num_calls = 0
-        # gpt-oss' harmony messages carry the reasoning, the answer and the calls at once.
-        harmony = tool_parser == "harmony" and self.mode in ("auto", "none")
+        # gpt-oss' harmony messages carry the reasoning, the answer and the calls at once
+        # (under "named" and "required" too: the output is a harmony call, tool_constraint).
+        harmony = tool_parser == "harmony"
         self._harmony = HarmonyStream() if harmony else None
         self._hermes = tool_stream(tool_parser) if self.mode == "auto" and not harmony else None
-        self._array = CallArrayStream() if self.mode == "required" else None
+        self._array = CallArrayStream() if self.mode == "required" and not harmony else None
 
     def message(self, text: str) -> ChatMessage:
         if self._harmony is not None:
@@ -239,8 +248,9 @@ class ToolCallReader:
         return _with_reasoning(reasoning, self._mixed_delta(content, self._harmony_calls(calls)))
 
     def _harmony_calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
-        """The calls read: all under "auto", none under "none" (their messages dropped)."""
-        return calls if self.mode == "auto" else []
+        """The calls read: none under "none" (their messages dropped), else all (under
+        "named" and "required" the grammar let only the allowed ones through)."""
+        return calls if self.mode != "none" else []
 
     @property
     def made_calls(self) -> bool:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,7 +21,7 @@ from engine import RequestOutput
 from server import messages, responses
 from server.harmony import HarmonyStream, parse_harmony
 from server.protocol import ChatCompletionRequest
-from server.tool_calls import OutputReading
+from server.tool_calls import OutputReading, tool_constraint
 from server.tool_formats import resolve_tool_parser
 from tests.engine.tiny_models import VOCAB_SIZE, make_tiny_model_dir
 from tests.server.conftest import MODEL_NAME, RunningServer, make_engine, running_server
@@ -181,6 +182,86 @@ def test_tool_choice_none_reads_no_call(server):
     args = _forced(ANALYSIS + CALL, tools=TOOLS, tool_choice="none")
     choice = server.openai().chat.completions.create(**args).choices[0]
     assert not choice.message.tool_calls and choice.finish_reason == "stop"
+
+
+# One city of two: a random model's arguments under the grammar stay short.
+CITY_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time.",
+                                      "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_calls_are_harmony_call_messages_whole_and_streamed(server, tool_choice):
+    """tool_choice "required" or a named function holds the model to a harmony call message
+    (a bare JSON answer, the other templates' form, would read as content here), whole and
+    streamed: one call, finish reason tool_calls, no content."""
+    client = server.openai()
+    args = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 64, "tools": CITY_TOOLS,
+            "tool_choice": tool_choice, "temperature": 0.0}  # fmt: skip
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    (call,) = whole.message.tool_calls
+    names = ["get_weather"] if tool_choice == NAMED else ["get_weather", "get_time"]
+    assert call.function.name in names
+    if call.function.name == "get_weather":
+        assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    reasoning, content, calls, finish = _streamed_chat(client, args)
+    assert (reasoning, content, finish) == ("", "", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
+def test_an_anthropic_sdk_tool_loop_goes_through_harmony(server):
+    """Messages: a forced tool (tool_choice "tool") is a harmony call read as a tool_use
+    block, whole and streamed alike; its tool_result goes back, rendered as harmony's tool
+    message, and the next turn (no call allowed) is text."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                 timeout=60)  # fmt: skip
+    tool = CITY_TOOLS[0]["function"]
+    args = {"model": MODEL_NAME, "max_tokens": 64, "messages": ASK,
+            "tools": [{"name": tool["name"], "description": tool["description"],
+                       "input_schema": tool["parameters"]}],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "extra_body": {"temperature": 0}}  # fmt: skip
+    first = client.messages.create(**args)
+    with client.messages.stream(**args) as events:
+        streamed = events.get_final_message()
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and use.name == "get_weather"
+    assert use.input in ({"city": "Paris"}, {"city": "Rome"})
+    assert [(b.type, getattr(b, "input", None)) for b in streamed.content] == [
+        (b.type, getattr(b, "input", None)) for b in first.content
+    ]
+    messages = [*ASK, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "18 C, sunny"}]}]  # fmt: skip
+    second = client.messages.create(**{**args, "messages": messages,
+                                       "tool_choice": {"type": "none"}})  # fmt: skip
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert not [b for b in second.content if b.type == "tool_use"]
+    count = client.messages.count_tokens(model=MODEL_NAME, messages=messages, tools=args["tools"])
+    assert count.input_tokens > client.messages.count_tokens(
+        model=MODEL_NAME, messages=ASK, tools=args["tools"]).input_tokens  # fmt: skip
+
+
+def test_the_forced_call_grammar_is_harmonys_header_then_the_arguments():
+    req = ChatCompletionRequest(model=MODEL_NAME, messages=ASK, tools=CITY_TOOLS,
+                                tool_choice=NAMED)  # fmt: skip
+    spec, field = tool_constraint(req, harmony=True)
+    tag = json.loads(spec.spec)["format"]
+    assert field == "tools" and spec.kind == "structural_tag"
+    assert tag["begin"] == ("<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                            "<|message|>") and tag["end"] == "<|call|>"  # fmt: skip
+    assert tag["content"]["json_schema"] == CITY_TOOLS[0]["function"]["parameters"]
+    required = req.model_copy(update={"tool_choice": "required"})
+    elements = json.loads(tool_constraint(required, harmony=True)[0].spec)["format"]["elements"]
+    assert ["functions.get_weather " in e["begin"] for e in elements] == [True, False]
+    assert tool_constraint(required)[0].kind == "json"  # other templates: the JSON array
 
 
 def test_reasoning_effort_reaches_the_template_on_chat_and_responses(server):
