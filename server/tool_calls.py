@@ -59,7 +59,8 @@ def tool_constraint(
     `harmony`: the output is read as harmony."""
     mode = req.tool_mode
     if harmony and mode in ("named", "required"):
-        name = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        choice = req.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         tools = [(t.function.name, _parameters(t)) for t in req.tools or ()
                  if name in (None, t.function.name)]  # fmt: skip
         return call_constraint(tools), "tools"
