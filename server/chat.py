@@ -84,15 +84,21 @@ async def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> li
     return encode_chat(ctx.tokenizer, await chat_prompt_text(ctx, req))
 
 
+def tool_parser_for(ctx: ServingContext, generic: bool) -> str:
+    """The tool-call format the output is read in (the generic format's is Hermes')."""
+    if generic:
+        return "hermes"
+    return resolve_tool_parser(ctx.tool_call_parser, getattr(ctx.tokenizer, "chat_template", None))
+
+
 def output_reading(
-    ctx: ServingContext, prompt_text: str, constrained: bool, generic: bool
+    ctx: ServingContext, prompt_text: str, constrained: bool, tool_parser: str
 ) -> OutputReading:
     """How the output is read: its reasoning (server/reasoning.py; under an output
     constraint the output is the constrained text from its first token, never inside a
-    think block) and its tool-call format (the generic format's is Hermes')."""
+    think block) and its tool-call format (`tool_parser_for`)."""
     template = getattr(ctx.tokenizer, "chat_template", None)
     mode = reasoning_mode(resolve_parser(ctx.reasoning_parser, template), prompt_text)
-    tool_parser = "hermes" if generic else resolve_tool_parser(ctx.tool_call_parser, template)
     return OutputReading(ReasoningMode(mode.enabled) if constrained else mode, tool_parser)
 
 
@@ -110,13 +116,12 @@ async def serve_chat(
     into it (Anthropic's Messages, OpenAI's Responses), so a conversation renders to the
     same tokens in each and its output is read the same way."""
     check_request(ctx, req, endpoint, 1, check_chat_supported)
-    template = getattr(ctx.tokenizer, "chat_template", None)
-    generic = not declares_tools(template)
-    harmony = not generic and resolve_tool_parser(ctx.tool_call_parser, template) == "harmony"
-    constraint = output_constraint(req, generic, harmony)
+    generic = not declares_tools(getattr(ctx.tokenizer, "chat_template", None))
+    tool_parser = tool_parser_for(ctx, generic)
+    constraint = output_constraint(req, generic, tool_parser == "harmony")
     prompt_text = await chat_prompt_text(ctx, req)
     prompt_ids = encode_chat(ctx.tokenizer, prompt_text)
-    reading = output_reading(ctx, prompt_text, constraint is not None, generic)
+    reading = output_reading(ctx, prompt_text, constraint is not None, tool_parser)
     if reading.tool_parser == "harmony":  # its channels are special tokens: keep them
         req = req.model_copy(update={"skip_special_tokens": False})
     thinking = _thinking_budget(ctx, req, reading) if constraint is None else None
