@@ -193,6 +193,7 @@ struct BlockIQ {
     const F f(w);
     __m256i sum[MT];
     for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
       __m256i u, s, scale;
       f.sub(b, u, s, scale);
