@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.ggml_kernels                 # a 1B layer's shapes, every type
     .venv/bin/python -m bench.ggml_kernels --rows 1,4,16
     .venv/bin/python -m bench.ggml_kernels --prefill --rows 16,32,64,512 --types Q4_0,Q4_K
+    .venv/bin/python -m bench.ggml_kernels --cpu-time --types Q4_K,Q2_K,IQ2_XXS --rows 1,4,32
 
 A decode step reads every weight byte once, so a decode kernel is as fast as it can be when
 it streams the weights at the machine's read bandwidth. This measures that bandwidth (a
@@ -12,6 +13,11 @@ times `ggml_linear` on one 1B-class layer's projections (TinyLlama-1.1B's: fused
 format, cycling through enough copies of the layer that nothing stays in cache, and prints
 the weight bytes read per second as a share of the measured bandwidth. Medians of
 `--repeat` runs.
+
+`--cpu-time`: on one thread, the CPU time a layer takes (`time.process_time`) instead of the
+wall time, and each type's ratio to the first type's: the kernels' arithmetic cost, which
+other processes on a busy machine change less than they change wall times (they still share
+the caches and the memory bus).
 """
 
 from __future__ import annotations
@@ -81,6 +87,25 @@ def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tup
     return seconds * 1e3, nbytes / seconds / 1e9
 
 
+def cpu_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> float:
+    """CPU ms (process time, torch on one thread) of one 1B layer's projections."""
+    kernels = ggml_kernels()
+    layer = layer_blocks(qtype)
+    xs = {k: torch.randn(rows, k) for _, k in LAYER}
+
+    def step() -> None:
+        for (w, t), (_, k) in zip(layer, LAYER, strict=True):
+            kernels.ggml_linear(xs[k], [w], [t])
+
+    step()
+    times = []
+    for _ in range(repeat):
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    return statistics.median(times) * 1e3
+
+
 def prefill_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
     """(int8 dots, dequantize to bf16 + torch's bf16 GEMM) ms for one 1B layer's
     projections on `rows` bf16 activation rows: the two paths `Linear` chooses between."""
@@ -110,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill", action="store_true",
         help="instead: int8 dots vs dequantize-to-bf16 + GEMM per call, bf16 activations",
     )  # fmt: skip
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="instead: CPU ms per layer on one thread, and the ratio to the first type",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if ggml_kernels() is None:
         print("the GGUF kernels are not available on this CPU (they need AVX2, FMA, F16C)")
@@ -123,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             for rows in (int(r) for r in args.rows.split(",")):
                 dots, gemm = prefill_ms(GGMLQuantizationType[name], rows, args.repeat)
                 print(f"| {name} | {rows} | {dots:.1f} | {gemm:.1f} | {dots / gemm:.2f}x |")
+        return 0
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        names, rows = args.types.split(","), [int(r) for r in args.rows.split(",")]
+        ms = {(name, m): cpu_ms(GGMLQuantizationType[name], m, args.repeat)
+              for name in names for m in rows}  # fmt: skip
+        print(f"| type | rows | CPU ms / 1B layer, 1 thread | / {names[0]} |")
+        print("|---|---:|---:|---:|")
+        for name in names:
+            for m in rows:
+                ratio = ms[name, m] / ms[names[0], m]
+                print(f"| {name} | {m} | {ms[name, m]:.1f} | {ratio:.2f}x |")
         return 0
     bandwidth = read_bandwidth(args.repeat)
     print(f"read bandwidth (1 GiB sum): {bandwidth:.1f} GB/s\n")

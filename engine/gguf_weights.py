@@ -32,13 +32,13 @@ from engine.kernels import ggml_kernels
 QType = GGMLQuantizationType
 _libc = ctypes.CDLL(None, use_errno=True)
 # The block formats `ggml_linear` multiplies: what Q4_0, Q4_1, Q5_K_M, Q4_K_M, Q8_0 files hold,
-# and Q2_K, Q3_K_S/M/L, IQ4_NL and IQ4_XS files, MXFP4 (gpt-oss' experts); and F16 and BF16
-# weights, kept in their 16 bits (float32 weights made an F16 file's model twice its size on
-# AVX2 CPUs).
+# and Q2_K, Q3_K_S/M/L, IQ2_*, IQ3_*, IQ4_NL and IQ4_XS files, MXFP4 (gpt-oss' experts); and F16
+# and BF16 weights, kept in their 16 bits (float32 weights made an F16 file's model twice its
+# size on AVX2 CPUs).
 NATIVE_TYPES = frozenset(
     {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q2_K, QType.Q3_K,
-     QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.MXFP4, QType.F16,
-     QType.BF16}
+     QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S,
+     QType.IQ3_XXS, QType.IQ3_S, QType.IQ4_NL, QType.IQ4_XS, QType.MXFP4, QType.F16, QType.BF16}
 )  # fmt: skip
 FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
 # 16-bit float weights: a 2-D one comes as a `GGUFTensor` (its bytes, as a block format's),

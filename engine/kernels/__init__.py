@@ -29,8 +29,8 @@ AMX, the later AVX-512 extensions): an AVX-512 BF16 machine then serves that kin
 
 * ``ggml_dequantize``, ``ggml_linear``: GGUF weights served from their own blocks
   (`csrc/ggml_quants.cpp`; IQ4_NL/IQ4_XS/MXFP4 in `csrc/ggml_table4.cpp`, Q2_K/Q3_K in
-  `csrc/ggml_q23_k.cpp`, F16/BF16 weights in `csrc/ggml_f16.cpp`), also a `DecodeStack`
-  projection
+  `csrc/ggml_q23_k.cpp`, IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S in `csrc/ggml_iq_grid.cpp`,
+  F16/BF16 weights in `csrc/ggml_f16.cpp`), also a `DecodeStack` projection
 
 `ggml_kernels()` is the module with the GGUF kernels: this one, or on a CPU without
 AVX512-BF16 a build of them with the float32 layer ops, paged decode attention and decode
@@ -72,6 +72,7 @@ AVX2_SOURCES = (
     "gated_delta_net.cpp",
     "ggml_table4.cpp",
     "ggml_q23_k.cpp",
+    "ggml_iq_grid.cpp",
     "ggml_f16.cpp",
 )
 # The AVX512-BF16 build adds the bf16 and int8/int4 kernels.

@@ -2,7 +2,8 @@
 ggml blocks, as the file holds them (`load` keeps each `GGUFTensor` whose format
 `ggml_linear` multiplies; a fused projection may mix formats, as Q4_K_M files do).
 `ggml_linear` (`engine/kernels/csrc/ggml_quants.cpp`) multiplies them on int8-quantized
-activations, as llama.cpp computes (F16 and BF16 weights: on float32 ones). Q4_0, Q4_1, Q5_0,
+activations, as llama.cpp computes (F16 and BF16 weights: on float32 ones; IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS and IQ3_S in the file's layout). Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 are regrouped 8 rows at a time
 at load (a layout whose kernel is 512 bits wide on AVX-512); for
 Q4_0, Q5_0, Q8_0, Q4_K and Q6_K that kernel also serves prefill, while bf16 calls of more

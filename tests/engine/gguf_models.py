@@ -22,12 +22,14 @@ from engine.loader import default_gguf_path
 # any byte of which is valid): d, and dmin for the types that have one.
 _F16_SCALES = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
                T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_S: (0,), T.F16: (0,)}  # fmt: skip
+               T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ1_S: (0,), T.F16: (0,), T.IQ2_XXS: (0,),
+               T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,)}  # fmt: skip
 # A type no kernel multiplies (served dequantized to the dtype): the mixed file's one such
 # projection. (IQ1_S: any bytes after its f16 d are valid, as for the types above.)
 UNSERVED = T.IQ1_S
 # The types `_write_gguf` writes as random blocks (the gguf package quantizes the legacy ones).
-_RANDOM_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, UNSERVED)
+_RANDOM_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS,
+                 T.IQ2_S, T.IQ3_XXS, T.IQ3_S, UNSERVED)  # fmt: skip
 
 
 def text_logits_of(llm, ids: list[int]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // What the GGUF block kernels share across their files (ggml_quants.cpp: the legacy types,
 // Q4_K, Q5_K, Q6_K and the entry points; ggml_table4.cpp: IQ4_NL, IQ4_XS and MXFP4;
-// ggml_q23_k.cpp: Q2_K and Q3_K; ggml_f16.cpp: F16 and BF16): the type ids, the int8
+// ggml_q23_k.cpp: Q2_K and Q3_K; ggml_iq_grid.cpp: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and
+// IQ3_S; ggml_f16.cpp: F16 and BF16): the type ids, the int8
 // activation blocks, the integer-dot helpers of both builds (AVX2, and AVX512-VNNI where
 // compiled for), and the per-row kernel loop.
 #pragma once
@@ -20,7 +21,8 @@ namespace pagedserve_ggml {
 // file type's (not ggml types: ids of our own, see ggml_quants.cpp's Q4_0x8).
 enum GgmlType : int64_t {
   F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
+  Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21,
+  IQ2_S = 22, IQ4_XS = 23, BF16 = 30, MXFP4 = 39
 };
 constexpr int64_t kRegrouped = 1000;
 // IQ4_NL regrouped by 8 rows: Q4_0x8's layout (ggml_quants.cpp), whose block it shares (an f16
@@ -291,5 +293,13 @@ void q23_k_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, 
                 int64_t K, float* y, int64_t ldy);
 void q23_k_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                 int64_t K, at::BFloat16* y, int64_t ldy);
+
+// ggml_iq_grid.cpp: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (8 or 4 values at a time from
+// a grid, with sign bits; 256 activations a block), in the file's layout only
+void iq_grid_dequantize_block(int64_t type, const uint8_t* b, float* y);
+void iq_grid_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                  int64_t K, float* y, int64_t ldy);
+void iq_grid_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                  int64_t K, at::BFloat16* y, int64_t ldy);
 
 }  // namespace pagedserve_ggml

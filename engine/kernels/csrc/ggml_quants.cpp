@@ -1,7 +1,8 @@
 // GGUF weights served from their own blocks: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
 // and Q6_K (what Q4_0, Q4_K_M, Q5_K_M and Q8_0 files hold), and the entry points for every
 // type: the other format families live in their own files (ggml_table4.cpp: IQ4_NL, IQ4_XS,
-// MXFP4; ggml_q23_k.cpp: Q2_K, Q3_K; ggml_f16.cpp: F16, BF16 weights), with what all share
+// MXFP4; ggml_q23_k.cpp: Q2_K, Q3_K; ggml_iq_grid.cpp: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+// IQ3_S; ggml_f16.cpp: F16, BF16 weights), with what all share
 // in ggml_common.h.
 //
 // Two things per format, both reading the file's block bytes (as they are, or for Q4_0,
@@ -101,6 +102,11 @@ Format format_of(int64_t type) {
     case Q6_K: return {256, 210};
     case Q2_K: return {256, 84};
     case Q3_K: return {256, 110};
+    case IQ2_XXS: return {256, 66};
+    case IQ2_XS: return {256, 74};
+    case IQ2_S: return {256, 82};
+    case IQ3_XXS: return {256, 98};
+    case IQ3_S: return {256, 110};
     case F16:
     case BF16: return {32, 64};  // no blocks: 32-value runs, so K's checks hold
     case IQ4_NL: return {32, 18};
@@ -177,6 +183,11 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
     case MXFP4: return table4_dequantize_block(type, b, y);
     case Q2_K:
     case Q3_K: return q23_k_dequantize_block(type, b, y);
+    case IQ2_XXS:
+    case IQ2_XS:
+    case IQ2_S:
+    case IQ3_XXS:
+    case IQ3_S: return iq_grid_dequantize_block(type, b, y);
     case F16:
     case BF16: return f16_dequantize_block(type, b, y);
     case Q4_0: {
@@ -1123,6 +1134,11 @@ void run_segment(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     case Q3_K:
     case Q2_Kx8:
     case Q3_Kx8: return q23_k_rows(s, n0, n1, a, M, K, y, ldy);
+    case IQ2_XXS:
+    case IQ2_XS:
+    case IQ2_S:
+    case IQ3_XXS:
+    case IQ3_S: return iq_grid_rows(s, n0, n1, a, M, K, y, ldy);
     case F16:
     case BF16: return f16_rows(s, n0, n1, a, M, K, y, ldy);
     case Q4_0: return segment_rows<BlockQ4_0>(s, n0, n1, a, M, K, y, ldy);
