@@ -9,11 +9,20 @@ one, or `--model`'s, whose float32 reference is its own weights dequantized) on
 token per step through the decode path (float32's is the same both ways, 10.6035), and
 greedy agreement with float32 on fixed chat prompts: the fraction of generated tokens
 before the first token that differs, over all prompts.
+
+``--llama-ctx N`` adds each mode's perplexity by `llama-perplexity`'s own protocol (``-c N``:
+the text cut into chunks of N tokens, each evaluated alone, the chunk's first token made
+BOS where the vocabulary adds one, and only the second half of each chunk scored), so a
+GGUF's figure is comparable to llama.cpp's on the same file and text:
+
+    llama-perplexity -m F.gguf -f tests/data/quality_text.txt -c 128 -b 128
+    .venv/bin/python -m bench.quality --model F.gguf --modes auto+auto --llama-ctx 128
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from bench.machine import machine_line
@@ -43,8 +52,35 @@ def agreement_before_divergence(reference: list[list[int]], other: list[list[int
     return same / max(sum(len(r) for r in reference), 1)
 
 
+def llama_protocol_perplexity(llm, ids: list[int], n_ctx: int) -> float:
+    """Perplexity as `llama-perplexity -c n_ctx` computes it (its `perplexity()`): whole
+    chunks of n_ctx tokens, the first of each replaced by BOS where the vocabulary adds
+    one, the logits of positions n_ctx / 2 ... n_ctx - 2 scored against the next token."""
+    import torch
+
+    from engine.perplexity import text_logits
+
+    bos = llm.tokenizer.bos_token_id if getattr(llm.tokenizer, "add_bos_token", False) else None
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - n_ctx + 1, n_ctx):
+        chunk = ids[start : start + n_ctx]
+        if bos is not None:
+            chunk = [bos, *chunk[1:]]
+        logits = torch.cat([lg for lg, _ in text_logits(llm.engine, chunk)]).float()
+        first = n_ctx // 2
+        logp = torch.log_softmax(logits[first : n_ctx - 1], dim=-1)
+        nll -= logp.gather(1, torch.tensor(chunk[first + 1 :])[:, None]).sum().item()
+        count += n_ctx - 1 - first
+    return math.exp(nll / count)
+
+
 def measure(
-    dtype: str, decode_path: bool = False, greedy: bool = True, **engine_fields
+    dtype: str,
+    decode_path: bool = False,
+    greedy: bool = True,
+    llama_ctx: int = 0,
+    text: Path = QUALITY_TEXT,
+    **engine_fields,
 ) -> tuple[float, list[list[int]]] | tuple[float, list[list[int]], float]:
     """(perplexity on the quality text, greedy tokens for PROMPTS) with this dtype, and
     with ``decode_path`` the perplexity of the text fed one token per step (the decode
@@ -55,7 +91,10 @@ def measure(
     from engine.perplexity import perplexity
 
     llm = LLM(dtype=dtype, **engine_fields)
-    ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))
+    text = text.read_text(encoding="utf-8")
+    if llama_ctx:  # tokenized as llama.cpp does: the BOS the vocabulary asks for, then the text
+        return llama_protocol_perplexity(llm, llm.tokenizer.encode(text), llama_ctx)
+    ids = llm.tokenizer.encode(text)
     ppl = perplexity(llm.engine, ids)
     tokens: list[list[int]] = []
     if greedy:
@@ -73,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a model path or GGUF (default: ours)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                         help="the modes' KV cache (the float32 reference keeps its own)")  # fmt: skip
+    parser.add_argument(
+        "--text",
+        type=Path,
+        default=QUALITY_TEXT,
+        help="the text of the --llama-ctx figures (default: the quality text)",
+    )
+    parser.add_argument("--llama-ctx", type=int, default=0,
+                        help="also each mode's perplexity by llama-perplexity's protocol, -c N")  # fmt: skip
     args = parser.parse_args(argv)
     print(machine_line())
     print(f"model: {args.model or 'the default'}")
@@ -90,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
               f"through the decode path {decode_ppl:.4f} ({decode_ppl / ref_ppl - 1:+.2%}), "
               f"greedy tokens before the first divergence {agree:.1%}")  # fmt: skip
+        if args.llama_ctx:
+            llama_ppl = measure(dtype, greedy=False, llama_ctx=args.llama_ctx, text=args.text,
+                                model=args.model, kv_cache_dtype=args.kv_cache_dtype, **chosen)  # fmt: skip
+            print(f"{mode}: perplexity by llama-perplexity's protocol (-c {args.llama_ctx}) "
+                  f"{llama_ppl:.4f}")  # fmt: skip
+    if args.llama_ctx:
+        llama_ref = measure("float32", greedy=False, llama_ctx=args.llama_ctx, text=args.text,
+                            model=args.model)  # fmt: skip
+        print(f"float32: perplexity by llama-perplexity's protocol (-c {args.llama_ctx}) "
+              f"{llama_ref:.4f}")  # fmt: skip
     return 0
 
 
