@@ -24,7 +24,6 @@ from pathlib import Path
 
 from engine.gguf_file import GGUFFile
 
-
 # A tensor's line in `llama-quantize --dry-run`'s output: its name, its type in the source, and
 # the type it would be written in (absent where it stays as it is).
 _DRY_RUN_LINE = re.compile(r"\]\s+(\S+)\s+- \[.*?\], type =\s+(\w+),.*?(?:\((\w+)\))?$")
