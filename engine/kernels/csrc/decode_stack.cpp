@@ -2,9 +2,54 @@
 // `LlamaDecoderLayer.forward_fused` calls them from Python, so the result is bit for bit
 // the same. Why: at a handful of rows the Python between the kernels (module calls,
 // argument checks, 9 calls a layer) cost about a millisecond of a 5-6 ms step.
+//
+// Qwen3.5's layers (float32 activations: its GGUFs on CPUs without AVX512-BF16) run here too:
+// its Gated DeltaNet layers (`LinearAttention`) and its full-attention layers' output gate,
+// (1 + w) q/k norms (the weights baked as float32 1 + w by engine/decode_stack.py: exact) and
+// partial rotary (`attention_inputs`). Its Python layers run torch's ops (the native layer
+// ops compute neither): the stack computes what they compute through the native kernels,
+// equal up to the order of float32 sums and exp's last bits (tests/engine/test_qwen35_stack.py).
 #include "decode_stack.h"
 
+#include <immintrin.h>
+
+#include "kv_int8.h"
+#include "vec_avx2.h"
+
+#include <cmath>
 #include <stdexcept>
+
+namespace {
+
+using pagedserve_avx2::exp_ps;
+using pagedserve_avx2::hsum;
+using pagedserve_avx2::kLanes;
+
+// sum(x^2) over n floats: 8 lanes, then across them (add_rms_norm_f32's order).
+float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  return ss;
+}
+
+// 1 / (1 + exp(-x)) over 8 lanes.
+inline __m256 sigmoid_ps(__m256 x) {
+  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+void check_f32(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              " must be contiguous float32");
+}
+
+}  // namespace
 
 Projection::Projection(c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> scales,
                        c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
@@ -23,6 +68,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     torch::Tensor y = ggml_linear(x, ggml_blocks, ggml_types);
     return bias ? y.add_(*bias) : y;
   }
+  // float32 weights (a GGUF's F32 tensors): torch's matmul, as `project` calls it
+  if (weight->scalar_type() == at::kFloat) return torch::linear(x, *weight, bias);
 #ifdef PAGEDSERVE_BF16_KERNELS
   if (mins) return int4_linear(x, *weight, *scales, *mins, bias);
   return skinny_linear(x, *weight, scales, bias);
@@ -92,15 +139,89 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   return moe_sum(project_each(down, used, hidden), tokens, pair_weights, x.size(0));
 }
 
+LinearAttention::LinearAttention(Projection in_proj, Projection out_proj,
+                                 torch::Tensor conv_weight, torch::Tensor neg_exp_a,
+                                 torch::Tensor dt_bias, torch::Tensor norm, int64_t num_k_heads,
+                                 int64_t num_v_heads, int64_t head_v_dim, double eps)
+    : in_proj(std::move(in_proj)), out_proj(std::move(out_proj)),
+      conv_weight(conv_weight.contiguous()), neg_exp_a(neg_exp_a.contiguous()),
+      dt_bias(dt_bias.contiguous()), norm(norm.contiguous()), num_k_heads(num_k_heads),
+      num_v_heads(num_v_heads), head_v_dim(head_v_dim), eps(eps) {
+  for (const torch::Tensor* t : {&this->neg_exp_a, &this->dt_bias, &this->norm})
+    check_f32(*t, "A, dt_bias and the gated norm's weight");
+  TORCH_CHECK(this->neg_exp_a.numel() == num_v_heads && this->dt_bias.numel() == num_v_heads &&
+                  this->norm.numel() == head_v_dim && this->conv_weight.dim() == 2,
+              "A, dt_bias [Hv], norm [Dv], conv_weight [C, K]");
+}
+
+// What `GatedDeltaNet.forward` computes for a step of decodes: beta = sigmoid(b), g = -exp(A)
+// softplus(a + dt_bias) (float32), the conv and delta-rule step (the native kernel
+// `gdn_decode` calls), then each value head's RMSNorm times w times silu(z), and out_proj.
+torch::Tensor LinearAttention::operator()(const torch::Tensor& x, torch::Tensor& conv_states,
+                                          torch::Tensor& states,
+                                          const torch::Tensor& slots) const {
+  const int64_t T = x.size(0), Hv = num_v_heads, Dv = head_v_dim, V = Hv * Dv;
+  const int64_t C = conv_weight.size(0), N = C + V + 2 * Hv;
+  const torch::Tensor proj = in_proj(x);  // [T, C | V (z) | Hv (b) | Hv (a)]
+  check_f32(proj, "the linear attention's input projection");
+  TORCH_CHECK(proj.size(1) == N, "in_proj must give [T, C + V + 2 Hv]");
+  const auto f32 = proj.options();
+  torch::Tensor g = torch::empty({T, Hv}, f32), beta = torch::empty({T, Hv}, f32);
+  const float* pp = proj.data_ptr<float>();
+  const float *na = neg_exp_a.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* b = pp + t * N + C + V;
+    const float* a = b + Hv;
+    for (int64_t h = 0; h < Hv; ++h) {
+      bp[t * Hv + h] = 1.f / (1.f + std::exp(-b[h]));
+      const float s = a[h] + dtb[h];
+      gp[t * Hv + h] = na[h] * (s > 20.f ? s : std::log1p(std::exp(s)));  // softplus
+    }
+  }
+  const torch::Tensor core = gated_delta_decode(proj.narrow(1, 0, C).contiguous(), g, beta,
+                                                conv_weight, conv_states, states, slots,
+                                                num_k_heads);  // [T, Hv, Dv]
+  torch::Tensor normed = torch::empty({T, V}, f32);
+  const float* cp = core.data_ptr<float>();
+  const float* wp = norm.data_ptr<float>();
+  float* op = normed.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < Hv; ++h) {
+      const float* c = cp + (t * Hv + h) * Dv;
+      const float* z = pp + t * N + C + h * Dv;
+      float* o = op + t * V + h * Dv;
+      const float inv = 1.f / std::sqrt(sum_squares(c, Dv) / static_cast<float>(Dv) + feps);
+      const __m256 iv = _mm256_set1_ps(inv);
+      int64_t i = 0;
+      for (; i + kLanes <= Dv; i += kLanes) {
+        const __m256 zi = _mm256_loadu_ps(z + i);
+        const __m256 silu = _mm256_mul_ps(zi, sigmoid_ps(zi));
+        const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(wp + i),
+                                       _mm256_mul_ps(_mm256_loadu_ps(c + i), iv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(n, silu));
+      }
+      for (; i < Dv; ++i) o[i] = wp[i] * (c[i] * inv) * (z[i] / (1.f + std::exp(-z[i])));
+    }
+  }
+  return out_proj(normed);
+}
+
 torch::Tensor DecoderLayer::mlp(const torch::Tensor& x) const {
   return experts ? (*experts)(x) : (*down)(silu_mul((*gate_up)(x)));
 }
 
 DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale)
+                         double scale, bool output_gate)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
-      num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+      output_gate_(output_gate) {
+  for (const DecoderLayer& layer : layers_)
+    TORCH_CHECK(layer.linear.has_value() != (layer.qkv.has_value() && layer.o.has_value()),
+                "a layer has the attention's qkv and o projections or a linear attention");
+}
 
 // The fused [T, (H + 2 KVH) * D] row with each head of q and k normed, v as it is: the
 // calls `Attention._norm_qk` makes (engine/models/layers.py), so bit for bit the same.
@@ -117,12 +238,107 @@ static torch::Tensor norm_qk(const torch::Tensor& qkv, const DecoderLayer& layer
       .view(qkv.sizes());
 }
 
+// Qwen3.5's attention inputs, float32: from the projection [T, (H (x2 where gated) + 2 KVH)
+// D] (where gated, each q head followed by its gate), each q and k head RMS-normed by q_norm
+// and k_norm where the layer has them (`Attention._norm_qk`), rotated on its first R dims (R:
+// cos's width; `apply_rotary`), k and v written to their cache slots (float32, or int8
+// rows: kv_int8.h); returns q [T, H, D], and where gated the gates [T, H D] in `gate`.
+static torch::Tensor attention_inputs(const torch::Tensor& proj, const DecoderLayer& layer,
+                                      const torch::Tensor& cos, const torch::Tensor& sin,
+                                      torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                      const torch::Tensor& slot_mapping, int64_t H, int64_t KVH,
+                                      int64_t D, double eps, bool gated, torch::Tensor& gate) {
+  check_f32(proj, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t T = proj.size(0), QH = gated ? 2 * H : H, R = cos.size(1), half = R / 2;
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t row_len = int8 ? D + kv_int8::kScaleBytes : D;
+  TORCH_CHECK(proj.size(1) == (QH + 2 * KVH) * D, "qkv must be [T, (H (x2 gated) + 2 KVH) D]");
+  TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes() && R % 2 == 0 && R <= D,
+              "cos and sin must be [T, R], R even, at most head_dim");
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || int8) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == KVH &&
+                  k_cache.size(3) == row_len && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, KVH, D] float32, or int8 "
+              "[blocks, block_size, KVH, D + 2]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be [T] int64");
+  TORCH_CHECK(D <= 512, "head_dim at most 512");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  torch::Tensor q = torch::empty({T, H, D}, proj.options());
+  if (gated) gate = torch::empty({T, H * D}, proj.options());
+  const float* qn = layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr;
+  const float* kn = layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t row_bytes = row_len * k_cache.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = proj.data_ptr<float>() + t * proj.size(1);
+    const float* c = cos.data_ptr<float>() + t * R;
+    const float* s = sin.data_ptr<float>() + t * R;
+    float normed[512];
+    // head -> normed by w (if any) -> rotated on its first R dims into dst
+    auto head = [&](const float* src, const float* w, float* dst) {
+      const float* y = src;
+      if (w) {
+        const float inv = 1.f / std::sqrt(sum_squares(src, D) / static_cast<float>(D) + feps);
+        for (int64_t i = 0; i < D; ++i) normed[i] = w[i] * (src[i] * inv);
+        y = normed;
+      }
+      for (int64_t i = 0; i < R; ++i) {
+        const float r = i < half ? -y[i + half] : y[i - half];  // rotate_half
+        dst[i] = y[i] * c[i] + r * s[i];
+      }
+      for (int64_t i = R; i < D; ++i) dst[i] = y[i];
+    };
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = row + h * (gated ? 2 * D : D);
+      head(src, qn, q.data_ptr<float>() + (t * H + h) * D);
+      if (gated) std::copy(src + D, src + 2 * D, gate.data_ptr<float>() + (t * H + h) * D);
+    }
+    float rotated[512];
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t at = (slots[t] * KVH + h) * row_bytes;
+      const float* k = row + (QH + h) * D;
+      const float* v = row + (QH + KVH + h) * D;
+      if (int8) {
+        head(k, kn, rotated);
+        kv_int8::quantize_row(rotated, D, reinterpret_cast<int8_t*>(kc + at));
+        kv_int8::quantize_row(v, D, reinterpret_cast<int8_t*>(vc + at));
+      } else {
+        head(k, kn, reinterpret_cast<float*>(kc + at));
+        std::copy(v, v + D, reinterpret_cast<float*>(vc + at));
+      }
+    }
+  }
+  return q;
+}
+
+// x *= sigmoid(gate), both [T, n] float32 (`out * torch.sigmoid(gate)`).
+static void gate_(torch::Tensor& x, const torch::Tensor& gate) {
+  float* xp = x.data_ptr<float>();
+  const float* gp = gate.data_ptr<float>();
+  const int64_t n = x.numel();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    _mm256_storeu_ps(xp + i, _mm256_mul_ps(_mm256_loadu_ps(xp + i),
+                                           sigmoid_ps(_mm256_loadu_ps(gp + i))));
+  for (; i < n; ++i) xp[i] = xp[i] * (1.f / (1.f + std::exp(-gp[i])));
+}
+
 torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                                    const torch::Tensor& sin,
                                    const std::vector<KVCache>& kv_caches,
                                    const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_tables,
-                                   const torch::Tensor& seq_lens) const {
+                                   const torch::Tensor& seq_lens,
+                                   const c10::optional<torch::Tensor>& state_slots) const {
   const size_t n = layers_.size();
   TORCH_CHECK(kv_caches.size() == n, "one (K, V) cache per layer");
   const int64_t T = hidden.size(0);
@@ -133,13 +349,26 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
     const DecoderLayer& layer = layers_[i];
     torch::Tensor k_cache = kv_caches[i].first, v_cache = kv_caches[i].second;  // handles
     auto [x, stream] = add_rms_norm(delta, residual, layer.input_norm, eps_);
-    torch::Tensor qkv = layer.qkv(x);
-    if (layer.q_norm) qkv = norm_qk(qkv, layer, num_heads_, num_kv_heads_, head_dim_, eps_);
-    const torch::Tensor q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping,
-                                          num_heads_, num_kv_heads_);
-    const torch::Tensor attn =
-        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0);
-    const torch::Tensor o = layer.o(attn.view({T, num_heads_ * head_dim_}));
+    torch::Tensor o;
+    if (layer.linear) {  // (k_cache, v_cache: its conv and recurrent state pools)
+      TORCH_CHECK(state_slots, "linear-attention layers need the rows' state slots");
+      o = (*layer.linear)(x, k_cache, v_cache, *state_slots);
+    } else {
+      torch::Tensor qkv = (*layer.qkv)(x), q, gate;
+      if (output_gate_ || cos.size(1) != head_dim_) {  // Qwen3.5's
+        q = attention_inputs(qkv, layer, cos, sin, k_cache, v_cache, slot_mapping, num_heads_,
+                             num_kv_heads_, head_dim_, eps_, output_gate_, gate);
+      } else {
+        if (layer.q_norm) qkv = norm_qk(qkv, layer, num_heads_, num_kv_heads_, head_dim_, eps_);
+        q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads_,
+                          num_kv_heads_);
+      }
+      torch::Tensor attn =
+          paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0)
+              .view({T, num_heads_ * head_dim_});
+      if (gate.defined()) gate_(attn, gate);
+      o = (*layer.o)(attn);
+    }
     auto [y, stream2] = add_rms_norm(o, stream, layer.post_attention_norm, eps_);
     delta = layer.mlp(y);
     residual = stream2;
