@@ -12,8 +12,9 @@ execute it, chosen per step by the runner.
 Qwen3.5 (float32 activations: its GGUFs on a CPU without AVX512-BF16) runs in it too: its
 Gated DeltaNet layers (`ops.LinearAttention`, on the rows' state slots) and its full
 attention's output gate, (1 + w) norms and partial rotary. Its Python layers run torch's
-ops there (the native layer ops compute neither), so the stack equals them up to the order
-of float32 sums (tests/engine/test_qwen35_stack.py), not bit for bit.
+ops there (the native layer ops compute neither): the stack makes the same ATen calls for
+them from C++, and calls the same kernels for the rest, so it equals them bit for bit
+(tests/engine/test_qwen35_stack.py).
 """
 
 from __future__ import annotations
@@ -78,7 +79,13 @@ class DecodeStack:
         arch = model.arch
         qwen35 = (arch.norm_plus_one or arch.attn_output_gate or arch.linear_attention is not None
                   or arch.rotary_dim not in (None, arch.head_dim))  # fmt: skip
-        if ops is None or max_rows == 0 or (qwen35 and model.dtype != torch.float32):
+        # The model's Python layers on torch's ops (Qwen3.5's): the stack computes its norms
+        # and activations in the same ATen ops, so the same bits (its MoE sum has no twin).
+        torch_ops = plan.layer_kernels() is None
+        moe = any(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+        if ops is None or max_rows == 0 or (torch_ops and moe):
+            return None
+        if qwen35 and (model.dtype != torch.float32 or not torch_ops):
             return None
         # (1 + w) norms as the float32 weight 1 + w: exactly what torch's norm multiplies by
         norm = (lambda w: 1.0 + w.float()) if arch.norm_plus_one else (lambda w: w)  # noqa: E731
@@ -106,7 +113,7 @@ class DecodeStack:
         native = ops.DecodeStack(
             layers, norm(model.norm), arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.eps,
             arch.head_dim**-0.5,  # as each layer's attention scale
-            output_gate=arch.attn_output_gate,
+            output_gate=arch.attn_output_gate, torch_ops=torch_ops,
         )  # fmt: skip
         return cls(model, native, max_rows)
 

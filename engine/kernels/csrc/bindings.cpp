@@ -77,10 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("linear") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
-                    double, bool>(),
+                    double, bool, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("output_gate") = false)
+           py::arg("output_gate") = false, py::arg("torch_ops") = false)
       .def("forward", &DecodeStack::forward, "a decode-only step's layers and final norm",
            py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),

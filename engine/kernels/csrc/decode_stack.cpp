@@ -7,42 +7,16 @@
 // its Gated DeltaNet layers (`LinearAttention`) and its full-attention layers' output gate,
 // (1 + w) q/k norms (the weights baked as float32 1 + w by engine/decode_stack.py: exact) and
 // partial rotary (`attention_inputs`). Its Python layers run torch's ops (the native layer
-// ops compute neither): the stack computes what they compute through the native kernels,
-// equal up to the order of float32 sums and exp's last bits (tests/engine/test_qwen35_stack.py).
+// ops compute neither), so here (`torch_ops`) the norms, activations and gates are the same
+// ATen calls from C++, the rest the same kernels: bit for bit the Python layers' result
+// (tests/engine/test_qwen35_stack.py), without the Python between ~40 small ops a layer.
 #include "decode_stack.h"
 
-#include <immintrin.h>
-
 #include "kv_int8.h"
-#include "vec_avx2.h"
 
-#include <cmath>
 #include <stdexcept>
 
 namespace {
-
-using pagedserve_avx2::exp_ps;
-using pagedserve_avx2::hsum;
-using pagedserve_avx2::kLanes;
-
-// sum(x^2) over n floats: 8 lanes, then across them (add_rms_norm_f32's order).
-float sum_squares(const float* x, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float ss = hsum(acc);
-  for (; i < n; ++i) ss += x[i] * x[i];
-  return ss;
-}
-
-// 1 / (1 + exp(-x)) over 8 lanes.
-inline __m256 sigmoid_ps(__m256 x) {
-  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
-  return _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
-}
 
 void check_f32(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), name,
@@ -154,70 +128,55 @@ LinearAttention::LinearAttention(Projection in_proj, Projection out_proj,
               "A, dt_bias [Hv], norm [Dv], conv_weight [C, K]");
 }
 
-// What `GatedDeltaNet.forward` computes for a step of decodes: beta = sigmoid(b), g = -exp(A)
-// softplus(a + dt_bias) (float32), the conv and delta-rule step (the native kernel
-// `gdn_decode` calls), then each value head's RMSNorm times w times silu(z), and out_proj.
+// torch's RMSNorm as the Python layers' op set computes it (`TorchOps.add_rms_norm` with
+// `rms_norm_plus_one`, the weight baked as 1 + w): the same ATen ops, so the same bits.
+static std::tuple<torch::Tensor, torch::Tensor> torch_add_rms_norm(
+    const torch::Tensor& delta, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& weight, double eps) {
+  torch::Tensor stream = residual ? *residual + delta : delta;
+  const torch::Tensor xf = stream.to(at::kFloat);
+  const torch::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps);
+  return {(normed * weight).to(stream.scalar_type()), stream};
+}
+
+// What `GatedDeltaNet.forward` computes for a step of decodes, in the same ops (torch's,
+// and the native conv + delta-rule step `gdn_decode` calls), so the same bits: beta =
+// sigmoid(b), g = -exp(A) softplus(a + dt_bias), the step on the rows' slots, each value
+// head's RMSNorm times w times silu(z) (`_gated_norm`), out_proj.
 torch::Tensor LinearAttention::operator()(const torch::Tensor& x, torch::Tensor& conv_states,
                                           torch::Tensor& states,
                                           const torch::Tensor& slots) const {
   const int64_t T = x.size(0), Hv = num_v_heads, Dv = head_v_dim, V = Hv * Dv;
-  const int64_t C = conv_weight.size(0), N = C + V + 2 * Hv;
+  const int64_t C = conv_weight.size(0);
   const torch::Tensor proj = in_proj(x);  // [T, C | V (z) | Hv (b) | Hv (a)]
   check_f32(proj, "the linear attention's input projection");
-  TORCH_CHECK(proj.size(1) == N, "in_proj must give [T, C + V + 2 Hv]");
-  const auto f32 = proj.options();
-  torch::Tensor g = torch::empty({T, Hv}, f32), beta = torch::empty({T, Hv}, f32);
-  const float* pp = proj.data_ptr<float>();
-  const float *na = neg_exp_a.data_ptr<float>(), *dtb = dt_bias.data_ptr<float>();
-  float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* b = pp + t * N + C + V;
-    const float* a = b + Hv;
-    for (int64_t h = 0; h < Hv; ++h) {
-      bp[t * Hv + h] = 1.f / (1.f + std::exp(-b[h]));
-      const float s = a[h] + dtb[h];
-      gp[t * Hv + h] = na[h] * (s > 20.f ? s : std::log1p(std::exp(s)));  // softplus
-    }
-  }
+  TORCH_CHECK(proj.size(1) == C + V + 2 * Hv, "in_proj must give [T, C + V + 2 Hv]");
+  const torch::Tensor z = proj.narrow(1, C, V), b = proj.narrow(1, C + V, Hv);
+  const torch::Tensor a = proj.narrow(1, C + V + Hv, Hv);
+  const torch::Tensor beta = b.sigmoid().contiguous();
+  const torch::Tensor g = (neg_exp_a * at::softplus(a + dt_bias)).contiguous();
   const torch::Tensor core = gated_delta_decode(proj.narrow(1, 0, C).contiguous(), g, beta,
                                                 conv_weight, conv_states, states, slots,
                                                 num_k_heads);  // [T, Hv, Dv]
-  torch::Tensor normed = torch::empty({T, V}, f32);
-  const float* cp = core.data_ptr<float>();
-  const float* wp = norm.data_ptr<float>();
-  float* op = normed.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < Hv; ++h) {
-      const float* c = cp + (t * Hv + h) * Dv;
-      const float* z = pp + t * N + C + h * Dv;
-      float* o = op + t * V + h * Dv;
-      const float inv = 1.f / std::sqrt(sum_squares(c, Dv) / static_cast<float>(Dv) + feps);
-      const __m256 iv = _mm256_set1_ps(inv);
-      int64_t i = 0;
-      for (; i + kLanes <= Dv; i += kLanes) {
-        const __m256 zi = _mm256_loadu_ps(z + i);
-        const __m256 silu = _mm256_mul_ps(zi, sigmoid_ps(zi));
-        const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(wp + i),
-                                       _mm256_mul_ps(_mm256_loadu_ps(c + i), iv));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(n, silu));
-      }
-      for (; i < Dv; ++i) o[i] = wp[i] * (c[i] * inv) * (z[i] / (1.f + std::exp(-z[i])));
-    }
-  }
-  return out_proj(normed);
+  const torch::Tensor xf = core * at::rsqrt(core.pow(2).mean({-1}, /*keepdim=*/true) + eps);
+  const torch::Tensor out = (norm * xf) * at::silu(z.reshape({-1, Hv, Dv}));
+  return out_proj(out.reshape({T, V}));
 }
 
-torch::Tensor DecoderLayer::mlp(const torch::Tensor& x) const {
-  return experts ? (*experts)(x) : (*down)(silu_mul((*gate_up)(x)));
+torch::Tensor DecoderLayer::mlp(const torch::Tensor& x, bool torch_ops) const {
+  if (experts) return (*experts)(x);
+  const torch::Tensor h = (*gate_up)(x);
+  if (!torch_ops) return (*down)(silu_mul(h));
+  const int64_t I = h.size(-1) / 2;  // `TorchOps.silu_mul`
+  return (*down)(at::silu(h.narrow(-1, 0, I)) * h.narrow(-1, I, I));
 }
 
 DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, bool output_gate)
+                         double scale, bool output_gate, bool torch_ops)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-      output_gate_(output_gate) {
+      output_gate_(output_gate), torch_ops_(torch_ops) {
   for (const DecoderLayer& layer : layers_)
     TORCH_CHECK(layer.linear.has_value() != (layer.qkv.has_value() && layer.o.has_value()),
                 "a layer has the attention's qkv and o projections or a linear attention");
@@ -238,11 +197,14 @@ static torch::Tensor norm_qk(const torch::Tensor& qkv, const DecoderLayer& layer
       .view(qkv.sizes());
 }
 
-// Qwen3.5's attention inputs, float32: from the projection [T, (H (x2 where gated) + 2 KVH)
-// D] (where gated, each q head followed by its gate), each q and k head RMS-normed by q_norm
-// and k_norm where the layer has them (`Attention._norm_qk`), rotated on its first R dims (R:
-// cos's width; `apply_rotary`), k and v written to their cache slots (float32, or int8
-// rows: kv_int8.h); returns q [T, H, D], and where gated the gates [T, H D] in `gate`.
+// Qwen3.5's attention inputs, float32, as `Attention.forward` computes them with torch's
+// ops (`_split_gate`, `_norm_qk`, `TorchOps.rope_write_kv`), so the same bits: from the
+// projection [T, (H (x2 where gated) + 2 KVH) D] (where gated, each q head followed by its
+// gate), each q and k head RMS-normed by q_norm and k_norm where the layer has them, rotated
+// on its first R dims (R: cos's width; `apply_rotary`: x cos + rotate_half(x) sin, each
+// product rounded, no FMA: the build's -ffp-contract=off), k and v written to their cache
+// slots (float32, or int8 rows: kv_int8.h); returns q [T, H, D], and where gated the gates
+// [T, H D] in `gate`.
 static torch::Tensor attention_inputs(const torch::Tensor& proj, const DecoderLayer& layer,
                                       const torch::Tensor& cos, const torch::Tensor& sin,
                                       torch::Tensor& k_cache, torch::Tensor& v_cache,
@@ -265,71 +227,54 @@ static torch::Tensor attention_inputs(const torch::Tensor& proj, const DecoderLa
               "[blocks, block_size, KVH, D + 2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T &&
                   slot_mapping.is_contiguous(), "slot_mapping must be [T] int64");
-  TORCH_CHECK(D <= 512, "head_dim at most 512");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  // q and k heads [T, heads, D], normed as `_norm_qk` norms them (rows of D)
+  const torch::Tensor heads = proj.view({T, QH + 2 * KVH, D});
+  torch::Tensor qs = gated ? heads.narrow(1, 0, QH).view({T, H, 2 * D}).narrow(2, 0, D)
+                           : heads.narrow(1, 0, H);
+  torch::Tensor ks = heads.narrow(1, QH, KVH);
+  if (gated) gate = heads.narrow(1, 0, QH).view({T, H, 2 * D}).narrow(2, D, D).reshape({T, H * D});
+  const auto none = c10::optional<torch::Tensor>();
+  if (layer.q_norm) qs = std::get<0>(torch_add_rms_norm(qs.reshape({-1, D}), none, *layer.q_norm, eps));
+  if (layer.k_norm) ks = std::get<0>(torch_add_rms_norm(ks.reshape({-1, D}), none, *layer.k_norm, eps));
+  qs = qs.reshape({T, H, D}).contiguous();
+  ks = ks.reshape({T, KVH, D}).contiguous();
   torch::Tensor q = torch::empty({T, H, D}, proj.options());
-  if (gated) gate = torch::empty({T, H * D}, proj.options());
-  const float* qn = layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr;
-  const float* kn = layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr;
-  const float feps = static_cast<float>(eps);
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t row_bytes = row_len * k_cache.element_size();
   for (int64_t t = 0; t < T; ++t) {
-    const float* row = proj.data_ptr<float>() + t * proj.size(1);
     const float* c = cos.data_ptr<float>() + t * R;
     const float* s = sin.data_ptr<float>() + t * R;
-    float normed[512];
-    // head -> normed by w (if any) -> rotated on its first R dims into dst
-    auto head = [&](const float* src, const float* w, float* dst) {
-      const float* y = src;
-      if (w) {
-        const float inv = 1.f / std::sqrt(sum_squares(src, D) / static_cast<float>(D) + feps);
-        for (int64_t i = 0; i < D; ++i) normed[i] = w[i] * (src[i] * inv);
-        y = normed;
-      }
+    auto rotate = [&](const float* y, float* dst) {
       for (int64_t i = 0; i < R; ++i) {
         const float r = i < half ? -y[i + half] : y[i - half];  // rotate_half
         dst[i] = y[i] * c[i] + r * s[i];
       }
       for (int64_t i = R; i < D; ++i) dst[i] = y[i];
     };
-    for (int64_t h = 0; h < H; ++h) {
-      const float* src = row + h * (gated ? 2 * D : D);
-      head(src, qn, q.data_ptr<float>() + (t * H + h) * D);
-      if (gated) std::copy(src + D, src + 2 * D, gate.data_ptr<float>() + (t * H + h) * D);
-    }
+    for (int64_t h = 0; h < H; ++h)
+      rotate(qs.data_ptr<float>() + (t * H + h) * D, q.data_ptr<float>() + (t * H + h) * D);
     float rotated[512];
+    TORCH_CHECK(D <= 512, "head_dim at most 512");
     for (int64_t h = 0; h < KVH; ++h) {
       const int64_t at = (slots[t] * KVH + h) * row_bytes;
-      const float* k = row + (QH + h) * D;
-      const float* v = row + (QH + KVH + h) * D;
+      const float* k = ks.data_ptr<float>() + (t * KVH + h) * D;
+      const float* v = proj.data_ptr<float>() + t * proj.size(1) + (QH + KVH + h) * D;
       if (int8) {
-        head(k, kn, rotated);
+        rotate(k, rotated);
         kv_int8::quantize_row(rotated, D, reinterpret_cast<int8_t*>(kc + at));
         kv_int8::quantize_row(v, D, reinterpret_cast<int8_t*>(vc + at));
       } else {
-        head(k, kn, reinterpret_cast<float*>(kc + at));
+        rotate(k, reinterpret_cast<float*>(kc + at));
         std::copy(v, v + D, reinterpret_cast<float*>(vc + at));
       }
     }
   }
   return q;
-}
-
-// x *= sigmoid(gate), both [T, n] float32 (`out * torch.sigmoid(gate)`).
-static void gate_(torch::Tensor& x, const torch::Tensor& gate) {
-  float* xp = x.data_ptr<float>();
-  const float* gp = gate.data_ptr<float>();
-  const int64_t n = x.numel();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    _mm256_storeu_ps(xp + i, _mm256_mul_ps(_mm256_loadu_ps(xp + i),
-                                           sigmoid_ps(_mm256_loadu_ps(gp + i))));
-  for (; i < n; ++i) xp[i] = xp[i] * (1.f / (1.f + std::exp(-gp[i])));
 }
 
 torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
@@ -345,17 +290,22 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
   // The residual stream is carried apart from each layer's output (see forward_fused).
   torch::Tensor delta = hidden;
   c10::optional<torch::Tensor> residual;
+  // The model's norm: the native op, or torch's where its Python layers run torch's ops.
+  const auto norm = [&](const torch::Tensor& x, const c10::optional<torch::Tensor>& res,
+                        const torch::Tensor& w) {
+    return torch_ops_ ? torch_add_rms_norm(x, res, w, eps_) : add_rms_norm(x, res, w, eps_);
+  };
   for (size_t i = 0; i < n; ++i) {
     const DecoderLayer& layer = layers_[i];
     torch::Tensor k_cache = kv_caches[i].first, v_cache = kv_caches[i].second;  // handles
-    auto [x, stream] = add_rms_norm(delta, residual, layer.input_norm, eps_);
+    auto [x, stream] = norm(delta, residual, layer.input_norm);
     torch::Tensor o;
     if (layer.linear) {  // (k_cache, v_cache: its conv and recurrent state pools)
       TORCH_CHECK(state_slots, "linear-attention layers need the rows' state slots");
       o = (*layer.linear)(x, k_cache, v_cache, *state_slots);
     } else {
       torch::Tensor qkv = (*layer.qkv)(x), q, gate;
-      if (output_gate_ || cos.size(1) != head_dim_) {  // Qwen3.5's
+      if (torch_ops_) {  // Qwen3.5's
         q = attention_inputs(qkv, layer, cos, sin, k_cache, v_cache, slot_mapping, num_heads_,
                              num_kv_heads_, head_dim_, eps_, output_gate_, gate);
       } else {
@@ -366,12 +316,11 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& hidden, const torch::Ten
       torch::Tensor attn =
           paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale_, 0)
               .view({T, num_heads_ * head_dim_});
-      if (gate.defined()) gate_(attn, gate);
-      o = (*layer.o)(attn);
+      o = (*layer.o)(gate.defined() ? attn * gate.sigmoid() : attn);
     }
-    auto [y, stream2] = add_rms_norm(o, stream, layer.post_attention_norm, eps_);
-    delta = layer.mlp(y);
+    auto [y, stream2] = norm(o, stream, layer.post_attention_norm);
+    delta = layer.mlp(y, torch_ops_);
     residual = stream2;
   }
-  return std::get<0>(add_rms_norm(delta, residual, final_norm_, eps_));
+  return std::get<0>(norm(delta, residual, final_norm_));
 }

@@ -64,7 +64,8 @@ struct DecoderLayer {
   // Qwen3's per-head RMSNorms of q and k, before rotary (both or neither).
   c10::optional<torch::Tensor> q_norm, k_norm;
   c10::optional<LinearAttention> linear;
-  torch::Tensor mlp(const torch::Tensor& x) const;
+  // torch_ops: silu(gate) * up in torch's ops (`TorchOps.silu_mul`), not the fused op
+  torch::Tensor mlp(const torch::Tensor& x, bool torch_ops = false) const;
 };
 
 // A layer's (K, V) cache, as the model runner holds them; a linear-attention layer's
@@ -75,7 +76,7 @@ class DecodeStack {
  public:
   DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_norm, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              bool output_gate = false);
+              bool output_gate = false, bool torch_ops = false);
   // hidden: the step's embedded tokens [T, hidden], each a row of the paged attention
   // (a decode, or one token of a short query with its own context length); cos, sin:
   // [T, rotary_dim] (rotary_dim < head_dim: partial rotary); state_slots [T]: each row's
@@ -95,4 +96,8 @@ class DecodeStack {
   // Each query head followed by its output gate in the q rows: the attention's output
   // times sigmoid(gate) (Qwen3.5's full-attention layers).
   bool output_gate_;
+  // The model's Python layers run torch's ops (`TorchOps`: Qwen3.5's), not the native layer
+  // ops: the norms, silu and the attention's inputs then in the same ATen ops, so the same
+  // bits.
+  bool torch_ops_;
 };
