@@ -61,15 +61,16 @@ def _step(
     return torch.arange(200, 200 + batch), dataclasses.replace(meta, states=states)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_the_stack_equals_the_python_layers(q8_0, batch):
-    llm = _llm(q8_0)
+@pytest.mark.parametrize(("batch", "kv_cache_dtype"), [(1, "auto"), (3, "auto"), (3, "int8")])
+def test_the_stack_equals_the_python_layers(q8_0, batch, kv_cache_dtype):
+    llm = _llm(q8_0, kv_cache_dtype=kv_cache_dtype)
     core = llm.engine.core
     assert "decode stack" in core.compute_summary
     model, stack = core.model, core.runner.decode_stack
     assert stack is not None
     g = torch.Generator().manual_seed(3)
     kv = core.runner.kv_caches  # the linear layers': (conv states, recurrent states)
+    assert (kv[3][0].dtype == torch.int8) == (kv_cache_dtype == "int8")  # the full layer's
     for k, v in kv:
         k.copy_(torch.randn(k.shape, generator=g))
         v.copy_(torch.randn(v.shape, generator=g))
