@@ -177,6 +177,7 @@ DecodeStack::DecodeStack(std::vector<DecoderLayer> layers, torch::Tensor final_n
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
       output_gate_(output_gate), torch_ops_(torch_ops) {
+  TORCH_CHECK(!output_gate || torch_ops, "the attention's output gate runs in torch_ops mode");
   for (const DecoderLayer& layer : layers_)
     TORCH_CHECK(layer.linear.has_value() != (layer.qkv.has_value() && layer.o.has_value()),
                 "a layer has the attention's qkv and o projections or a linear attention");
