@@ -14,6 +14,7 @@
 
 #include "kv_int8.h"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace {
@@ -128,15 +129,36 @@ LinearAttention::LinearAttention(Projection in_proj, Projection out_proj,
               "A, dt_bias [Hv], norm [Dv], conv_weight [C, K]");
 }
 
+// x * rsqrt(ms + eps) * w, row by row, as torch's ops round it: ms [T, 1] the rows' mean
+// square from torch (its order of the sum); then each step one IEEE rounding, as the ops'
+// (rsqrt is 1 / sqrt in ATen, and the build's -ffp-contract=off keeps the products apart).
+// w [D], or with z [T, D] (a view): ((w (x r)) silu(z)) in place of (x r) w.
+static torch::Tensor scale_rows(const torch::Tensor& x, const torch::Tensor& ms,
+                                const torch::Tensor& w, double eps) {
+  check_f32(x, "x");
+  const int64_t D = x.size(-1), T = x.numel() / D;
+  torch::Tensor out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *mp = ms.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  for (int64_t t = 0; t < T; ++t) {
+    const float r = 1.f / std::sqrt(mp[t] + feps);
+    const float* a = xp + t * D;
+    float* o = op + t * D;
+    for (int64_t i = 0; i < D; ++i) o[i] = (a[i] * r) * wp[i];
+  }
+  return out;
+}
+
 // torch's RMSNorm as the Python layers' op set computes it (`TorchOps.add_rms_norm` with
-// `rms_norm_plus_one`, the weight baked as 1 + w): the same ATen ops, so the same bits.
+// `rms_norm_plus_one`, the weight baked as 1 + w; float32): the residual add and the mean
+// square in torch's ops, the rest in `scale_rows`: the same bits.
 static std::tuple<torch::Tensor, torch::Tensor> torch_add_rms_norm(
     const torch::Tensor& delta, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& weight, double eps) {
-  torch::Tensor stream = residual ? *residual + delta : delta;
-  const torch::Tensor xf = stream.to(at::kFloat);
-  const torch::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  return {(normed * weight).to(stream.scalar_type()), stream};
+  const torch::Tensor stream = (residual ? *residual + delta : delta).contiguous();
+  const torch::Tensor ms = stream.pow(2).mean({-1}, /*keepdim=*/true);
+  return {scale_rows(stream, ms, weight, eps), stream};
 }
 
 // What `GatedDeltaNet.forward` computes for a step of decodes, in the same ops (torch's,
@@ -158,8 +180,9 @@ torch::Tensor LinearAttention::operator()(const torch::Tensor& x, torch::Tensor&
   const torch::Tensor core = gated_delta_decode(proj.narrow(1, 0, C).contiguous(), g, beta,
                                                 conv_weight, conv_states, states, slots,
                                                 num_k_heads);  // [T, Hv, Dv]
-  const torch::Tensor xf = core * at::rsqrt(core.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  const torch::Tensor out = (norm * xf) * at::silu(z.reshape({-1, Hv, Dv}));
+  // w (x rsqrt(mean(x^2) + eps)) silu(z), each value head: w times (x r) is (x r) times w
+  const torch::Tensor xw = scale_rows(core, core.pow(2).mean({-1}, /*keepdim=*/true), norm, eps);
+  const torch::Tensor out = xw * at::silu(z.reshape({-1, Hv, Dv}));
   return out_proj(out.reshape({T, V}));
 }
 
