@@ -137,6 +137,8 @@ class ExecutionPlan:
             parts.append(f"CPU kernels {self.layer_ops}{switch} ({gemm}fused ops{stack})")
         elif self.kernels_switch in kernels.SWITCH_SETTINGS[1:] and is_cpu(self.device):
             parts.append(f"torch's layer ops (${kernels.SWITCH}={self.kernels_switch})")
+        if self.layer_ops == TORCH_OPS and self.decode_stack_rows:
+            parts.append("decode stack")
         if self.quantization.layers == "gguf":
             parts.append("GGUF blocks through the GGUF kernels (int8 activations)")
         if self.model_layer:
@@ -196,11 +198,13 @@ def resolve_plan(config: Any, hf_config: Any, device: torch.device, gguf: bool) 
         graphs_off = "linear-attention layers"  # (their state steps are not captured)
     if graphs_off is None and shape.experts:
         graphs_off = "mixture of experts"  # (its tokens per expert are read on the host)
-    stack = layer_ops not in (TORCH_OPS, TRITON_OPS) and attention == "cpu-paged"
     llama_layer = shape._replace(silu=True, layer_ops_misfit=None, decode_stack_misfit=None)
+    native = _layer_ops(dtype, device, quantization.layers, llama_layer, tp, kv_int8)
+    # The stack runs the native build's kernels also where the model's Python layers keep
+    # torch's ops (Qwen3.5's: engine/decode_stack.py).
+    stack = native not in (TORCH_OPS, TRITON_OPS) and attention == "cpu-paged"
     model_layer = ""
-    if shape.layer_ops_misfit and _layer_ops(dtype, device, quantization.layers, llama_layer,
-                                             tp, kv_int8) != TORCH_OPS:  # fmt: skip
+    if shape.layer_ops_misfit and native != TORCH_OPS:
         model_layer = f"torch's layer ops ({shape.layer_ops_misfit})"
     elif shape.decode_stack_misfit and stack:
         model_layer = f"no decode stack ({shape.decode_stack_misfit})"

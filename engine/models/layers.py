@@ -98,16 +98,16 @@ class Architecture:
         return ", ".join(r for r in reasons if r) or None
 
     def decode_stack_misfit(self) -> str | None:
-        """Why the native decode stack (Llama's whole layer in C++) cannot run this model,
-        or None."""
+        """Why the native decode stack (Llama's whole layer in C++, and Qwen3.5's: (1 + w)
+        norms, partial rotary, the attention's output gate, linear attention, with float32
+        activations: engine/decode_stack.py) cannot run this model, or None."""
         reasons = [
-            self.layer_ops_misfit() or "",
+            "sandwich norms" if self.sandwich_norms else "",
+            f"{self.act} MLP" if self.act != "silu" else "",
             "per-layer rotary" if len(set(self.layer_rope) - {"default"}) else "",
             "attention scale" if self.attn_scale is not None else "",
             "embedding scale" if self.embed_scale is not None else "",
             "sliding window" if "sliding_attention" in self.layer_types else "",
-            "linear attention" if "linear_attention" in self.layer_types else "",
-            "attention output gate" if self.attn_output_gate else "",
             "attention sinks" if self.attn_sinks else "",
             "biased, clamped SwiGLU experts" if self.moe and self.moe.swiglu_limit else "",
         ]

@@ -59,18 +59,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     bool>(),
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
            py::arg("norm_topk_prob"));
+  py::class_<LinearAttention>(m, "LinearAttention", py::module_local())
+      .def(py::init<Projection, Projection, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, int64_t, int64_t, int64_t, double>(),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("neg_exp_a"),
+           py::arg("dt_bias"), py::arg("norm"), py::arg("num_k_heads"), py::arg("num_v_heads"),
+           py::arg("head_v_dim"), py::arg("eps"));
   py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
-      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection,
+      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<Projection>,
                     c10::optional<Projection>, c10::optional<Projection>,
-                    c10::optional<Experts>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>>(),
+                    c10::optional<Projection>, c10::optional<Experts>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<LinearAttention>>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("experts") = py::none(),
-           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("linear") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayer>, torch::Tensor, int64_t, int64_t, int64_t, double,
-                    double>(),
+                    double, bool, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
-      .def("forward", &DecodeStack::forward, "a decode-only step's layers and final norm", nogil);
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("output_gate") = false, py::arg("torch_ops") = false)
+      .def("forward", &DecodeStack::forward, "a decode-only step's layers and final norm",
+           py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("state_slots") = py::none(), nogil);
 }
