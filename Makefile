@@ -58,7 +58,8 @@ AVX2_PASS_TESTS := tests/engine/test_attention.py tests/engine/test_float32_kern
 	tests/engine/test_quality_gate.py \
 	tests/engine/test_engine_golden.py tests/engine/test_linear.py \
 	tests/engine/test_sliding_window_attention.py tests/engine/test_batch_invariance.py \
-	tests/engine/test_gated_delta_net.py tests/engine/test_gguf_qwen3_moe.py tests/engine/test_qwen3_moe.py \
+	tests/engine/test_gated_delta_net.py tests/engine/test_qwen35_stack.py \
+	tests/engine/test_gguf_qwen3_moe.py tests/engine/test_qwen3_moe.py \
 	tests/engine/test_gguf_gpt_oss.py -k "not test_bfloat16_modes"
 # On an AVX512-BF16 CPU a third pass takes a Cascade Lake Xeon's path (the AVX-512 VNNI
 # build: 512-bit VNNI GGUF kernels, float32 activations; on a Cascade Lake the first pass is

@@ -153,3 +153,34 @@ def test_greedy_tokens_through_the_stack_are_transformers(tmp_path):
         stack.native = counted = _Counted(stack.native)
         assert engine_greedy(llm, prompts, 12) == expected
     assert counted.calls >= 10
+
+
+def test_a_partial_rotary_phi3_decodes_through_the_stack_as_without_it(tmp_path):
+    """Phi-3 with plain rope and partial rotary (no LongRoPE) takes the same stack, its Python
+    layers on torch's ops (partial rotary): greedy tokens equal those without the stack."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.engine.gguf_models import spm_vocab
+
+    vocab = spm_vocab()
+    config = AutoConfig.for_model(
+        "phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=512, rms_norm_eps=1e-6,
+        num_hidden_layers=2, tie_word_embeddings=False, vocab_size=len(vocab["tokens"]),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        bos_token_id=vocab["bos"], eos_token_id=vocab["eos"], pad_token_id=vocab["pad"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    file = write_family_gguf(tmp_path / "phi3.gguf", model, vocab, qtype=T.Q8_0)
+    prompts = [[5, 17, 300, 42, 99, 7, 250, 11], list(range(40, 75))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with_stack, without = _llm(file), _llm(file)
+    without.engine.core.runner.decode_stack = None
+    stack = with_stack.engine.core.runner.decode_stack
+    assert stack is not None and "decode stack" in with_stack.engine.core.compute_summary
+    stack.native = counted = _Counted(stack.native)
+    got = [o.token_ids for o in with_stack.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.token_ids for o in without.generate(prompts, params, use_tqdm=False)]
+    assert counted.calls >= 10
