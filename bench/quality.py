@@ -10,13 +10,13 @@ token per step through the decode path (float32's is the same both ways, 10.6035
 greedy agreement with float32 on fixed chat prompts: the fraction of generated tokens
 before the first token that differs, over all prompts.
 
-``--llama-ctx N`` adds each mode's perplexity by `llama-perplexity`'s own protocol (``-c N``:
+``--llama-ctx N`` gives instead each mode's perplexity (and float32's) by `llama-perplexity`'s own protocol (``-c N``:
 the text cut into chunks of N tokens, each evaluated alone, the chunk's first token made
 BOS where the vocabulary adds one, and only the second half of each chunk scored), so a
 GGUF's figure is comparable to llama.cpp's on the same file and text:
 
     llama-perplexity -m F.gguf -f tests/data/quality_text.txt -c 128 -b 128
-    .venv/bin/python -m bench.quality --model F.gguf --modes auto+auto --llama-ctx 128
+    .venv/bin/python -m bench.quality --model F.gguf --modes auto+auto,float32 --llama-ctx 128
 """
 
 from __future__ import annotations
@@ -106,6 +106,19 @@ def measure(
     return ppl, tokens
 
 
+def llama_protocol_figures(args: argparse.Namespace) -> int:
+    """Each mode's perplexity by llama-perplexity's protocol (--llama-ctx; name float32 among
+    the modes for the same weights dequantized exactly)."""
+    for mode in args.modes.split(","):
+        dtype, _, quantization = mode.partition("+")
+        chosen = {"quantization": quantization} if quantization else {}
+        kv = {"kv_cache_dtype": args.kv_cache_dtype} if mode != "float32" else {}
+        ppl = measure(dtype, greedy=False, llama_ctx=args.llama_ctx, text=args.text,
+                      model=args.model, **kv, **chosen)  # fmt: skip
+        print(f"{mode}: perplexity by llama-perplexity's protocol (-c {args.llama_ctx}) {ppl:.4f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="bfloat16,bfloat16+int8,bfloat16+int4")
@@ -119,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the text of the --llama-ctx figures (default: the quality text)",
     )
     parser.add_argument("--llama-ctx", type=int, default=0,
-                        help="also each mode's perplexity by llama-perplexity's protocol, -c N")  # fmt: skip
+                        help="instead, each mode's perplexity by llama-perplexity's protocol, -c N")  # fmt: skip
     args = parser.parse_args(argv)
     print(machine_line())
     print(f"model: {args.model or 'the default'}")
+    if args.llama_ctx:
+        return llama_protocol_figures(args)
     ref_ppl, ref_tokens = measure("float32", model=args.model)
     print(f"float32: perplexity {ref_ppl:.4f} (the reference)")
     for mode in [m for m in args.modes.split(",") if m != "float32"]:
@@ -137,16 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: perplexity {ppl:.4f} ({ppl / ref_ppl - 1:+.2%} vs float32), "
               f"through the decode path {decode_ppl:.4f} ({decode_ppl / ref_ppl - 1:+.2%}), "
               f"greedy tokens before the first divergence {agree:.1%}")  # fmt: skip
-        if args.llama_ctx:
-            llama_ppl = measure(dtype, greedy=False, llama_ctx=args.llama_ctx, text=args.text,
-                                model=args.model, kv_cache_dtype=args.kv_cache_dtype, **chosen)  # fmt: skip
-            print(f"{mode}: perplexity by llama-perplexity's protocol (-c {args.llama_ctx}) "
-                  f"{llama_ppl:.4f}")  # fmt: skip
-    if args.llama_ctx:
-        llama_ref = measure("float32", greedy=False, llama_ctx=args.llama_ctx, text=args.text,
-                            model=args.model)  # fmt: skip
-        print(f"float32: perplexity by llama-perplexity's protocol (-c {args.llama_ctx}) "
-              f"{llama_ref:.4f}")  # fmt: skip
     return 0
 
 
