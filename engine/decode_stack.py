@@ -144,13 +144,8 @@ class DecodeStack:
         return out
 
     def _save_after_decode(self, kv_caches: list[Any], states: Any) -> None:
-        """A one-token request's snapshot is its state after that token (as
-        `GatedDeltaNet._save_after_decode` copies it): its slot, copied, in every
-        linear-attention layer."""
-        for r, saves in enumerate(states.saves):
-            if saves:
-                ((_, dst),) = saves
-                for i, layer in enumerate(self.model.layers):
-                    if layer.linear_attn is not None:
-                        for t in kv_caches[i]:
-                            t[dst].copy_(t[states.slots[r]])
+        """The snapshots a decode writes (each one-token request's state after that token),
+        as each linear-attention layer's own forward copies them."""
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            if layer.linear_attn is not None:
+                layer.linear_attn._save_after_decode(kv_cache, states)
