@@ -32,7 +32,7 @@ from engine.device import GpuMemory, measure_gpu_memory, reset_peak_memory_stats
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
 from engine.execution_plan import ExecutionPlan
-from engine.kv_tier import move_blocks, open_tier, save_cached_blocks
+from engine.kv_tier import KVCaches, TierCopies, block_nbytes, open_tier
 from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer, source_gguf
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, SampledTokens
@@ -49,6 +49,7 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerOutput, fits_
 if TYPE_CHECKING:  # types only: grammar_cache imports xgrammar, which loads on first use
     from engine.structured_output.grammar_cache import CompileResult
     from kv_cache import BlockCounts, PoolSnapshot
+    from kv_cache.host_tier import HostTier
     from scheduler import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,9 @@ class EngineCore:
         # Each layer's pair: its own, or in a hybrid model one its KV cache group shares
         # with a layer of each other group (kv_cache/groups.py); a linear-attention layer's
         # state slots in its place (engine/state_cache.py).
-        states = iter(self._allocate_states(config))
-        kv_caches = [tensors[slot] if slot >= 0 else next(states)
+        states = self._allocate_states(config)
+        next_state = iter(states)
+        kv_caches = [tensors[slot] if slot >= 0 else next(next_state)
                      for slot in config.layer_kv_slots()]  # fmt: skip
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, config.vocab_size, self.eos_token_ids
@@ -114,11 +116,20 @@ class EngineCore:
                 engine.max_num_seqs, config.device,
             )  # fmt: skip
             graphs.capture()
-        tier = self._open_tier(kv_caches) if engine.kv_offload_bytes else None
+        tier, state_tier = self._open_tiers(tensors, states) if engine.kv_offload_bytes else (
+            None, None)  # fmt: skip
         self.scheduler = Scheduler(
-            config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier
-        )
-        self.kv_cache_manager = self.scheduler.kv_cache_manager
+            config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier,
+            state_tier=state_tier,
+        )  # fmt: skip
+        self.kv_cache_manager = kv = self.scheduler.kv_cache_manager
+        # What each step copies between the pool's tensors and the tier files (kv_tier.py).
+        self._tiers: list[TierCopies] = []
+        if tier is not None:
+            self._tiers.append(TierCopies(tier, tensors, kv.take_tier_moves, kv.cached_blocks))
+        if state_tier is not None:
+            self._tiers.append(TierCopies(state_tier, states, kv.take_state_tier_moves,
+                                          kv.cached_snapshots))  # fmt: skip
         drafter = DRAFTERS.get(engine.speculative)
         self.speculator = (
             Speculator(engine.num_speculative_tokens, SPEC_MAX_ROWS, drafter(), self._encode_text)
@@ -296,7 +307,11 @@ class EngineCore:
         memory = measure_gpu_memory(device)
         return GpuMemory(memory.total, memory.peak_used - scratch_bytes)
 
-    def _open_tier(self, kv_caches):
+    def _open_tiers(
+        self, tensors: KVCaches, states: list[StateTensors]
+    ) -> tuple[HostTier, HostTier | None]:
+        """The KV blocks' tier file and, for a model with recurrent layers, its state
+        snapshots' (`kv_offload_bytes` split between them as the pool's memory is)."""
         engine = self.config.engine
         if self.model.tp is not None:
             raise ValueError("the KV tier (kv_offload_bytes) runs in one process, not under "
@@ -304,8 +319,17 @@ class EngineCore:
         if not engine.enable_prefix_caching:
             raise ValueError("the KV tier (kv_offload_bytes) needs prefix caching")
         cache_dir = Path(engine.cache_dir) if engine.cache_dir else default_cache_dir()
-        return open_tier(cache_dir, engine.kv_offload_bytes, kv_caches, self.config.model_dir,
-                         engine.block_size)  # fmt: skip
+        config, capacity = self.config, engine.kv_offload_bytes
+        state_tier = None
+        if states:
+            kv_bytes = config.num_blocks * block_nbytes(tensors)
+            state_bytes = config.num_state_slots * block_nbytes(states)
+            state_capacity = capacity * state_bytes // (kv_bytes + state_bytes)
+            capacity -= state_capacity
+            state_tier = open_tier(cache_dir, state_capacity, states, config.model_dir,
+                                   engine.block_size, kind="state")  # fmt: skip
+        tier = open_tier(cache_dir, capacity, tensors, config.model_dir, engine.block_size)
+        return tier, state_tier
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -391,11 +415,11 @@ class EngineCore:
         workers, self._tp_workers = self._tp_workers, []
         if workers:
             stop_workers(workers)
-        tier = self.kv_cache_manager.tier
-        if tier is not None:
-            saved = save_cached_blocks(self.runner.kv_caches, self.kv_cache_manager)
-            tier.close()
-            logger.info("KV tier: saved %d cached blocks from the pool; closed", saved)
+        for copies in self._tiers:
+            saved = copies.save()
+            copies.tier.close()
+            logger.info("Tier %s: saved %d cached entries from the pool; closed",
+                        copies.tier.path.name, saved)  # fmt: skip
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -409,7 +433,8 @@ class EngineCore:
         """
         sched_out = self.scheduler.schedule()
         try:
-            move_blocks(self.runner.kv_caches, self.kv_cache_manager)
+            for copies in self._tiers:
+                copies.move()
             if self._tp_workers:  # every rank runs the same step
                 broadcast_object(worker_step(sched_out))
             sampled = self.runner.execute(sched_out)

@@ -14,6 +14,11 @@ any group takes a block, so a request gets room in all its groups or in none.
 `get_block_ids` is the first group's table (the one a single-group model has);
 `get_group_block_ids` gives the others, which the model runner turns into each group's
 attention metadata; `take_state_step` what the step does with the request's state.
+
+A second tier (kv_cache/host_tier.py) serves full-attention groups and the state group:
+the shared pool's evicted blocks go to one tier file (a block's hash names its group, so
+one file holds every group's), the state group's evicted snapshots to another, and a
+lookup continues in each. Sliding-window groups are not served by a tier yet.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kv_cache.block import KVCacheBlock
+from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool, EventListener
 from kv_cache.groups import KVCacheGroup
 from kv_cache.host_tier import HostTier
@@ -31,13 +36,12 @@ from kv_cache.request_state import RequestLike
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.state_group import StateCacheManager, StateGroup, StateStep
 from kv_cache.stats import BlockCounts, GroupBlocks, PrefixCacheStats
+from kv_cache.tier_link import TierLink
 
 GroupHits = list[list[KVCacheBlock | None]]
 
 
 class HybridKVCacheManager:
-    tier = None  # the second tier keeps single-group models only, for now
-
     def __init__(
         self,
         num_blocks: int,
@@ -47,12 +51,25 @@ class HybridKVCacheManager:
         hash_algo: str = "builtin",
         event_listener: EventListener | None = None,
         state: StateGroup | None = None,
+        tier: HostTier | None = None,
+        state_tier: HostTier | None = None,
     ) -> None:
+        """`tier`: the KV blocks' second tier; `state_tier`: the snapshots' (both or
+        neither for a model with a state group)."""
         if len(groups) + (state is not None) < 2:
             raise ValueError("a hybrid KV cache manager needs two groups or more")
+        if tier is not None and any(group.window is not None for group in groups):
+            raise ValueError("the second KV tier does not serve sliding-window groups yet")
+        if state_tier is not None and (tier is None or state is None):
+            raise ValueError("a state tier needs a state group and a KV tier beside it")
+        if tier is not None and state is not None and state_tier is None:
+            raise ValueError("a hybrid model's KV tier needs its state group's tier too")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching, event_listener)
+        self.tier = tier
+        self.tier_link = TierLink(tier, event_listener) if tier is not None else None
+        listener = self.tier_link.on_pool_event if self.tier_link is not None else event_listener
+        self.block_pool = BlockPool(num_blocks, enable_caching, listener)
         self.groups = tuple(
             KVCacheManager(
                 num_blocks,
@@ -62,10 +79,11 @@ class HybridKVCacheManager:
                 window=group.window,
                 block_pool=self.block_pool,
                 group_key=(("kv_cache_group", g),) if g else (),
+                tier_link=self.tier_link,
             )  # fmt: skip
             for g, group in enumerate(groups)
         )
-        self.state = (StateCacheManager(state, block_size, enable_caching, hash_algo)
+        self.state = (StateCacheManager(state, block_size, enable_caching, hash_algo, state_tier)
                       if state is not None else None)  # fmt: skip
         # Every group a hit must serve and an allocation must fit: the KV groups, the state.
         self.members = self.groups + ((self.state,) if self.state is not None else ())
@@ -100,7 +118,7 @@ class HybridKVCacheManager:
             return [[] for _ in self.members], 0
         limit: int | None = None
         while True:
-            hits = [group.get_computed_blocks(req, limit)[0] for group in self.members]
+            hits = self._hits(req, limit)
             if limit is None and self.state is not None:  # the KV groups' own hit
                 self.state.note_shared_prefix(req, min(len(h) for h in hits[:-1]))
             shortest = min(len(h) for h in hits)
@@ -112,6 +130,15 @@ class HybridKVCacheManager:
             state = group._state(req)
             state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
+
+    def _hits(self, req: RequestLike, limit: int | None) -> GroupHits:
+        """Each group's hit, at most `limit` blocks and none past a group before it: no
+        group brings back from a tier what another group's shorter hit would not use."""
+        hits: GroupHits = []
+        for group in self.members:
+            hits.append(group.get_computed_blocks(req, limit)[0])
+            limit = len(hits[-1]) if limit is None else min(limit, len(hits[-1]))
+        return hits
 
     def num_cached_tokens(self, req: RequestLike) -> int:
         if not self.enable_caching:
@@ -162,6 +189,29 @@ class HybridKVCacheManager:
     def uncache_unwritten(self, request_id: str, num_written_tokens: int) -> None:
         for group in self.members:
             group.uncache_unwritten(request_id, num_written_tokens)
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
+        """The KV blocks the engine must copy before the step (`TierLink.take`)."""
+        return self.tier_link.take() if self.tier_link is not None else ([], {})
+
+    def take_state_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
+        """The snapshot slots the engine must copy before the step (`TierLink.take`)."""
+        link = self.state.tier_link if self.state is not None else None
+        return link.take() if link is not None else ([], {})
+
+    @property
+    def state_tier(self) -> HostTier | None:
+        return self.state.tier if self.state is not None else None
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of every block the shared pool caches, every group's."""
+        return [(b.block_id, h) for h, b in self.block_pool.cached_hash_to_block.items()]
+
+    def cached_snapshots(self) -> list[tuple[int, BlockHash]]:
+        """(slot, hash) of every snapshot the state group caches."""
+        if self.state is None:
+            return []
+        return [(b.block_id, h) for h, b in self.state.pool.cached_hash_to_block.items()]
 
     def take_state_step(self, request_id: str) -> StateStep | None:
         """What the request's step does with its state (kv_cache/state_group.py), or None
@@ -224,16 +274,17 @@ def kv_cache_manager_for(
     event_listener: EventListener | None = None,
     tier: HostTier | None = None,
     state: StateGroup | None = None,
+    state_tier: HostTier | None = None,
 ) -> KVCacheManager | HybridKVCacheManager:
     """The manager of a model with these KV cache groups (None: one full-attention group)
     and state group (None: no recurrent layers): a `KVCacheManager` for one group, a hybrid
-    one over a shared pool for several or beside a state group."""
+    one over a shared pool for several or beside a state group. `tier` and `state_tier`:
+    the second tiers of its KV blocks and of its snapshots."""
     groups = groups or ()
     if len(groups) < 2 and state is None:
         window = groups[0].window if groups else None
         return KVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
                               event_listener, tier, window)  # fmt: skip
-    if tier is not None:
-        raise ValueError("the second KV tier does not serve hybrid models yet")
     return HybridKVCacheManager(num_blocks, block_size, groups or (KVCacheGroup(None, ()),),
-                                enable_caching, hash_algo, event_listener, state)  # fmt: skip
+                                enable_caching, hash_algo, event_listener, state, tier,
+                                state_tier)  # fmt: skip

@@ -60,13 +60,17 @@ class KVCacheManager:
         window: int | None = None,
         block_pool: BlockPool | None = None,
         group_key: tuple = (),
+        tier_link: TierLink | None = None,
     ) -> None:
         """`window`: the group's sliding window in tokens (None: full attention).
         `block_pool`: a pool shared with the other groups of a model (else its own), and
         `group_key`, which keeps this group's block hashes apart from theirs (the same
-        tokens hold other layers' K/V in each group)."""
+        tokens hold other layers' K/V in each group). A shared pool's tier comes as the
+        `tier_link` its owner made the pool's listener."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if tier_link is not None:
+            tier = tier_link.tier
         if tier is not None and (hash_algo != "sha256" or not enable_caching):
             raise ValueError("a second KV tier needs prefix caching with sha256 block hashes")
         if tier is not None and window is not None:
@@ -83,7 +87,9 @@ class KVCacheManager:
         # misses in the pool continues there. The bytes move in the engine, between a
         # schedule() and the step that runs it (`take_tier_moves`).
         self.tier = tier
-        self.tier_link = TierLink(tier, event_listener) if tier is not None else None
+        if tier_link is None and tier is not None:
+            tier_link = TierLink(tier, event_listener)
+        self.tier_link = tier_link
         listener = self.tier_link.on_pool_event if self.tier_link else event_listener
         self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, listener)
         # The pool's blocks this group holds (each held block belongs to one group): kept as

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool
 from kv_cache.hashing import get_block_hasher
+from kv_cache.host_tier import HostTier
 from kv_cache.request_state import RequestLike
 from kv_cache.stats import StateSlots
+from kv_cache.tier_link import TierLink
 
 # The group key a state snapshot's hash carries, apart from any KV group's.
 STATE_GROUP_KEY = (("state_group", 0),)
@@ -100,7 +102,10 @@ class StateCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_algo: str = "builtin",
+        tier: HostTier | None = None,
     ) -> None:
+        """`tier`: the snapshots' second tier (a file of its own: a snapshot is the size
+        of many KV blocks): what the pool evicts goes there, a lookup continues there."""
         if group.num_slots < 1:
             raise ValueError(f"a state group needs at least one slot, got {group.num_slots}")
         if group.snapshot_interval < 1:
@@ -108,7 +113,10 @@ class StateCacheManager:
         self.group = group
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(group.num_slots, enable_caching)
+        self.tier = tier
+        self.tier_link = TierLink(tier, None) if tier is not None else None
+        listener = self.tier_link.on_pool_event if self.tier_link is not None else None
+        self.pool = BlockPool(group.num_slots, enable_caching, listener)
         self._hasher = get_block_hasher(hash_algo)
         self._requests: dict[str, _RequestSlots] = {}
         self._steps: dict[str, StateStep] = {}  # the last allocation's, by request
@@ -153,7 +161,8 @@ class StateCacheManager:
     ) -> tuple[list[KVCacheBlock | None], int]:
         """The longest prefix of at most `max_blocks` blocks (and short of the last token)
         that ends at a snapshot: None for each of its blocks but the last, which is the
-        snapshot's slot."""
+        snapshot's slot (brought back from the tier into a free slot where only the tier
+        holds it)."""
         if not self.enable_caching:
             return [], 0
         token_ids = req.all_token_ids
@@ -163,8 +172,11 @@ class StateCacheManager:
         state = self._state(req)
         hashes = self._hashes(state, token_ids, limit)
         lookup = self.pool.cached_hash_to_block.get
+        link = self.tier_link
         for end in range(limit, 0, -1):
             snapshot = lookup(hashes[end - 1])
+            if snapshot is None and link is not None:
+                snapshot = link.bring_back(self.pool, hashes, end - 1)
             if snapshot is not None:
                 return [None] * (end - 1) + [snapshot], end * self.block_size
         return [], 0

@@ -1,4 +1,6 @@
-"""TierLink: what moves between the block pool and the second KV tier (host_tier.py).
+"""TierLink: what moves between a block pool and its second tier (host_tier.py): the KV
+blocks' pool, or a state group's snapshot slots (kv_cache/state_group.py), each with a tier
+of its own.
 
 The pool evicts a cached block: its bytes must reach the tier before the block is reused
 (an offload). A lookup that misses in the pool continues in the tier: the blocks it brings
@@ -62,14 +64,27 @@ class TierLink:
         pool.touch(hits)
         restored = []
         for index in range(first, limit):
-            data = self.tier.get(hashes[index])  # None: absent, or torn (dropped)
-            if data is None:
+            block = self.bring_back(pool, hashes, index)
+            if block is None:
                 break
-            block = pool.adopt(hashes, index)
-            self._loads[block.block_id] = (hashes[index], data)
             restored.append(block)
         pool.free_blocks(reversed(hits))
         return restored
+
+    def bring_back(
+        self, pool: BlockPool, hashes: Sequence[BlockHash], index: int
+    ) -> KVCacheBlock | None:
+        """The tier's block under hashes[index], cached in a block the pool takes from its
+        free head (its bytes copied in before the next step), or None: the tier lacks it
+        (or its copy is torn) or the pool has no free block."""
+        if hashes[index] not in self.tier or not pool.free_block_queue:
+            return None
+        data = self.tier.get(hashes[index])  # None: torn (dropped)
+        if data is None:
+            return None
+        block = pool.adopt(hashes, index)
+        self._loads[block.block_id] = (hashes[index], data)
+        return block
 
     def take(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
         """What the engine must do before the step it is about to run, and forget it:

@@ -56,12 +56,14 @@ class Scheduler:
         kv_event_listener: EventListener | None = None,
         clock: Callable[[], float] = time.monotonic,
         tier: HostTier | None = None,
+        state_tier: HostTier | None = None,
     ) -> None:
         """`kv_event_listener` hears each block the prefix cache stores or evicts (a
         replica publishes them to the router). `clock` is the one requests' arrival
         times are on (lpm's age bound compares them). `tier`: the prefix cache's second
         tier (kv_cache/host_tier.py), whose block moves the caller makes after each
-        schedule() (`KVCacheManager.take_tier_moves`)."""
+        schedule() (`KVCacheManager.take_tier_moves`); `state_tier`: a model with
+        recurrent layers keeps its snapshots' in another."""
         config.verify()
         self.config = config
         self._clock = clock
@@ -76,6 +78,7 @@ class Scheduler:
             event_listener=kv_event_listener,
             tier=tier,
             state=config.state_group,
+            state_tier=state_tier,
         )
         # A hybrid model's other groups' tables ride with each scheduled request, and with
         # recurrent layers what the step does with its state.

@@ -84,6 +84,38 @@ def test_preemption_and_few_state_slots_match_transformers(qwen3_5):
     assert_all_free(llm)
 
 
+def test_evicted_blocks_and_snapshots_come_back_from_the_tier_and_a_restart(qwen3_5, tmp_path):
+    """With a second tier, what the pools evict (KV blocks in one file, state snapshots in
+    another) comes back on a hit, bit for bit: the tokens stay transformers'; a restarted
+    engine resumes a repeated prompt from the tier's snapshot."""
+    path, prompts, expected = qwen3_5
+
+    def make() -> LLM:  # 40 blocks and 4 slots: each prompt evicts the one before
+        return LLM(model=str(path), dtype="float32", block_size=4, num_blocks=40, state_slots=4,
+                   state_snapshot_interval=2, kv_offload_bytes=8 << 20, cache_dir=str(tmp_path))  # fmt: skip
+
+    def one(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                              use_tqdm=False)  # fmt: skip
+        return out.token_ids, out.num_cached_tokens
+
+    llm = make()
+    kv = llm.engine.core.kv_cache_manager
+    assert kv.tier is not None and kv.state_tier is not None
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert one(llm, prompt)[0] == tokens
+    assert len(kv.tier) > 0 and len(kv.state_tier) > 0  # each pool evicted into its tier
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert one(llm, prompt) == (tokens, (len(prompt) - 1) // 4 * 4)
+    assert kv.stats.tier_hits > 0
+    assert_all_free(llm)
+    llm.engine.shutdown()  # saves what the pools cache to the tiers
+    again = make()
+    kv = again.engine.core.kv_cache_manager
+    assert kv.tier.reopened_entries > 0 and kv.state_tier.reopened_entries > 0
+    assert one(again, prompts[0]) == (expected[0], (len(prompts[0]) - 1) // 4 * 4)
+
+
 def test_speculation_rolls_the_state_back_past_rejected_drafts(qwen3_5):
     """Drafts from the true output, often corrupted: every outcome (all kept, some, none)
     happens, and a rejected draft's state change is undone (the next step resumes from

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from kv_cache.groups import KVCacheGroup
+from kv_cache.host_tier import HEADER_BYTES, HostTier
 from kv_cache.hybrid import HybridKVCacheManager, kv_cache_manager_for
 from kv_cache.state_group import ZERO, StateGroup, StateStep
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -27,12 +30,16 @@ class Req:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
 
 
-def manager(num_slots: int = 8, interval: int = 2, num_blocks: int = 64) -> HybridKVCacheManager:
+def manager(
+    num_slots: int = 8, interval: int = 2, num_blocks: int = 64, **tiers: HostTier
+) -> HybridKVCacheManager:
     mgr = kv_cache_manager_for(
         (KVCacheGroup(None, (3,)),),
         num_blocks,
         BS,
+        hash_algo="sha256" if tiers else "builtin",
         state=StateGroup(layers=(0, 1, 2), num_slots=num_slots, snapshot_interval=interval),
+        **tiers,
     )
     assert isinstance(mgr, HybridKVCacheManager)
     return mgr
@@ -261,3 +268,43 @@ def test_a_request_waits_a_step_for_the_snapshot_another_is_writing():
     other = Req("c", [9] * 30)
     assert admit(mgr, other)[0] == 0
     mgr.check_invariants()
+
+
+def tiers(tmp_path, entries: int = 32) -> dict[str, HostTier]:
+    """A KV tier and a state tier, each of `entries` entries (8 and 64 fake bytes)."""
+    return {
+        "tier": HostTier(tmp_path / "kv.bin", HEADER_BYTES + entries * (8 + 36), 8, "kv"),
+        "state_tier": HostTier(tmp_path / "st.bin", HEADER_BYTES + entries * (64 + 36), 64, "st"),
+    }
+
+
+def test_an_evicted_snapshot_goes_to_the_state_tier_and_a_hit_brings_it_back(tmp_path):
+    mgr = manager(num_slots=2, interval=8, **tiers(tmp_path))
+    first = Req("a", list(range(30)))
+    _, step = admit(mgr, first)
+    (saved,) = [slot for end, slot in step.saves if end == 28]  # the prompt end's only
+    decode(mgr, first, 99)  # written: cached
+    key = mgr.state._state(first).hashes[6]
+    mgr.free(first)
+    assert mgr.take_state_tier_moves() == ([], {})
+    churn = Req("churn", [700 + i for i in range(30)])  # takes both slots: evicts it
+    admit(mgr, churn)
+    offloads, _ = mgr.take_state_tier_moves()
+    assert (saved, key) in offloads
+    for block_id, block_hash in offloads:  # the engine copies the slots out
+        mgr.state_tier.put(block_hash, bytes([block_id]) * 64)
+    mgr.free(churn)
+    hit, step_b = admit(mgr, Req("b", list(range(30))))
+    assert hit == 28  # KV blocks still in the pool, the snapshot back from the tier
+    _, loads = mgr.take_state_tier_moves()
+    assert loads == {step_b.source: bytes([saved]) * 64}  # copied in before the step
+    mgr.check_invariants()
+
+
+def test_a_tier_needs_sliding_windows_off_and_the_state_tier_beside_it(tmp_path):
+    both = tiers(tmp_path)
+    with pytest.raises(ValueError, match="state group's tier"):
+        manager(tier=both["tier"])
+    with pytest.raises(ValueError, match="sliding-window"):
+        kv_cache_manager_for((KVCacheGroup(None, (0,)), KVCacheGroup(4, (1,))), 16, BS,
+                             hash_algo="sha256", tier=both["tier"])  # fmt: skip

@@ -47,7 +47,10 @@ def test_random_traffic_over_a_small_pool_and_a_tier_keeps_outputs(tmp_path_fact
     back are counted over every example, so traffic that never reached it fails."""
     tier_hits: list[int] = []
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # The same 30 examples each run: random ones had the tier serve in 2 to 26 of 30, so
+    # the bound below failed now and then on a correct tier.
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
     @given(data=st.data())
     def random_traffic(data) -> None:
         h = tiered(
