@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.ggml_kernels --rows 1,4,16
     .venv/bin/python -m bench.ggml_kernels --prefill --rows 16,32,64,512 --types Q4_0,Q4_K
     .venv/bin/python -m bench.ggml_kernels --cpu-time --types Q4_K,Q2_K,IQ2_XXS --rows 1,4,32
+    .venv/bin/python -m bench.ggml_kernels --cpu-time --types MXFP4,MXFP4-file --rows 1,4,32
 
 A decode step reads every weight byte once, so a decode kernel is as fast as it can be when
 it streams the weights at the machine's read bandwidth. This measures that bandwidth (a
@@ -13,6 +14,10 @@ times `ggml_linear` on one 1B-class layer's projections (TinyLlama-1.1B's: fused
 format, cycling through enough copies of the layer that nothing stays in cache, and prints
 the weight bytes read per second as a share of the measured bandwidth. Medians of
 `--repeat` runs.
+
+A type named ``TYPE-file`` keeps its blocks in the file's layout where ``TYPE`` is regrouped
+by 8 rows at load: the kernels a weight served from the mapped file takes (`Linear.pack`'s
+other choice, engine/quantization/gguf.py).
 
 `--cpu-time`: on one thread, the CPU time a layer takes (`time.process_time`) instead of the
 wall time, and each type's ratio to the first type's: the kernels' arithmetic cost, which
@@ -55,9 +60,19 @@ def read_bandwidth(repeat: int) -> float:
     return buf.numel() * 4 / median_seconds(buf.sum, repeat) / 1e9
 
 
-def layer_blocks(qtype: GGMLQuantizationType) -> list[tuple[torch.Tensor, int]]:
+FILE_LAYOUT = "-file"  # a type's suffix: its blocks as the file holds them, not regrouped
+
+
+def parse_type(name: str) -> tuple[GGMLQuantizationType, bool]:
+    """``Q4_0`` -> (Q4_0, regrouped as at load); ``MXFP4-file`` -> (MXFP4, the file's layout)."""
+    return GGMLQuantizationType[name.removesuffix(FILE_LAYOUT)], not name.endswith(FILE_LAYOUT)
+
+
+def layer_blocks(name: str) -> list[tuple[torch.Tensor, int]]:
     """A 1B layer's projections as random blocks with finite f16 scales (no NaN work), laid
-    out as `Linear.pack` lays them (Q4_0: regrouped by 8 rows): (blocks, type) each."""
+    out as `Linear.pack` lays them (Q4_0: regrouped by 8 rows; ``TYPE-file``: as the file
+    holds them): (blocks, type) each."""
+    qtype, regroup = parse_type(name)
     values, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     layer = []
@@ -66,11 +81,11 @@ def layer_blocks(qtype: GGMLQuantizationType) -> list[tuple[torch.Tensor, int]]:
         w.view(-1, size)[:, :4] = 0x10  # d (and m / dmin)
         if qtype.name == "Q6_K":
             w.view(-1, 210)[:, 208:] = 0x10
-        layer.append(ggml_kernels().ggml_repack(w, int(qtype), k))
+        layer.append(ggml_kernels().ggml_repack(w, int(qtype), k) if regroup else (w, int(qtype)))
     return layer
 
 
-def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
+def kernel_bandwidth(qtype: str, rows: int, repeat: int) -> tuple[float, float]:
     """(ms per layer, GB/s of weights read) for `rows` activation rows."""
     kernels = ggml_kernels()
     layers = [layer_blocks(qtype) for _ in range(COPIES)]
@@ -87,7 +102,7 @@ def kernel_bandwidth(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tup
     return seconds * 1e3, nbytes / seconds / 1e9
 
 
-def cpu_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> float:
+def cpu_ms(qtype: str, rows: int, repeat: int) -> float:
     """CPU ms (process time, torch on one thread) of one 1B layer's projections."""
     kernels = ggml_kernels()
     layer = layer_blocks(qtype)
@@ -106,7 +121,7 @@ def cpu_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def prefill_ms(qtype: GGMLQuantizationType, rows: int, repeat: int) -> tuple[float, float]:
+def prefill_ms(qtype: str, rows: int, repeat: int) -> tuple[float, float]:
     """(int8 dots, dequantize to bf16 + torch's bf16 GEMM) ms for one 1B layer's
     projections on `rows` bf16 activation rows: the two paths `Linear` chooses between."""
     kernels = ggml_kernels()
@@ -150,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---:|---:|---:|---:|")
         for name in args.types.split(","):
             for rows in (int(r) for r in args.rows.split(",")):
-                dots, gemm = prefill_ms(GGMLQuantizationType[name], rows, args.repeat)
+                dots, gemm = prefill_ms(name, rows, args.repeat)
                 print(f"| {name} | {rows} | {dots:.1f} | {gemm:.1f} | {dots / gemm:.2f}x |")
         return 0
     if args.cpu_time:
         torch.set_num_threads(1)
         names, rows = args.types.split(","), [int(r) for r in args.rows.split(",")]
-        ms = {(name, m): cpu_ms(GGMLQuantizationType[name], m, args.repeat)
+        ms = {(name, m): cpu_ms(name, m, args.repeat)
               for name in names for m in rows}  # fmt: skip
         print(f"| type | rows | CPU ms / 1B layer, 1 thread | / {names[0]} |")
         print("|---|---:|---:|---:|")
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     for name in args.types.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            ms, gbs = kernel_bandwidth(GGMLQuantizationType[name], rows, args.repeat)
+            ms, gbs = kernel_bandwidth(name, rows, args.repeat)
             print(f"| {name} | {rows} | {ms:.2f} | {gbs:.1f} | {gbs / bandwidth:.0%} |")
     return 0
 

@@ -40,6 +40,7 @@ from engine.default_model import (  # noqa: F401 (the loader's names for them, t
     DEFAULT_MODEL_PACKAGE,
     DEFAULT_MODEL_WHEEL,
 )
+from engine.device import available_ram
 from engine.errors import ModelFileError
 from engine.gguf_config import generation_config, gguf_config
 from engine.gguf_fast_tokenizer import FastTokenizer
@@ -50,6 +51,7 @@ from engine.hf_mxfp4 import expert_shapes, expert_weights, is_mxfp4
 from engine.model_check import check_config
 from engine.model_config import ModelConfig, read_model_config, text_weight_name
 from engine.models.registry import ARCHITECTURE_BY_MODEL_TYPE, ARCHITECTURES, architectures_of
+from engine.quantization.gguf import COPY_SHARE, choose_mapped
 
 logger = logging.getLogger(__name__)
 
@@ -387,6 +389,11 @@ def iter_weights(
     if gguf is not None:
         if not gguf.is_file():
             raise FileNotFoundError(f"{gguf}, the GGUF that {path} stands for, is gone")
+        mapped = choose_mapped(gguf.stat().st_size, available_ram())
+        if mapped:
+            logger.info("%s: %s weights served from the mapped file (it is more than %.0f%% of "
+                        "the memory available)", gguf.name, "+".join(sorted(mapped)),
+                        100 * COPY_SHARE)  # fmt: skip
         for name, tensor in read_tensors(gguf):
             is_dense = isinstance(tensor, torch.Tensor)
             yield name, tensor.to(dtype) if is_dense and dtype is not None else tensor

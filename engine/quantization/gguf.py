@@ -14,6 +14,7 @@ dequantized whole, and served as float weights are (`DenseMethod`).
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -42,6 +43,20 @@ ANY_ROWS = sys.maxsize
 # perplexity against -0.06% (tests/engine/test_quality_gate.py), and on an AVX512-BF16 Xeon the
 # bf16 GEMM was 2.8x faster at 512 rows (`bench.ggml_kernels --prefill`, 2026-11-28).
 INT8_AT_ANY_SIZE = frozenset({"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"})
+# The formats that can be served from the mapped file's own pages, never copied: their kernel
+# reads the file's layout 8 rows at a time, regrouping each block column in registers, with
+# the same integer sums and float operations as on a regrouped copy (the same bits;
+# ggml_table4.cpp's file_column_mx). MXFP4 is gpt-oss' experts, most of its file. It costs CPU
+# time (one thread, a 1B layer: 1.93x the regrouped copy's at 1 row, 1.72x at 4, 1.24x at 32;
+# `python -m bench.ggml_kernels --cpu-time --types MXFP4,MXFP4-file`, Zen 3), so it is taken
+# only where the copy would not comfortably fit (`choose_mapped`): there the kernel pages the
+# file in and out as llama.cpp's mapped files are, instead of the whole of it sitting in
+# anonymous memory that nothing can evict.
+FROM_FILE = frozenset({"MXFP4"})
+# A file of more than this share of MemAvailable at load serves `FROM_FILE` from its pages.
+COPY_SHARE = 0.5
+MAPPED_ENV = "PAGEDSERVE_GGUF_MAPPED"  # auto (the default: COPY_SHARE), always, never
+_mapped: frozenset[str] = frozenset()  # the load in progress's choice (`choose_mapped`)
 
 
 @register(GGUF)
@@ -89,8 +104,8 @@ class GGUFMethod(DenseMethod):
     def _keep_blocks(self) -> None:
         parts = [self.blocks[row] for row in sorted(self.blocks)]
         # Each part in the layout its kernel reads fastest (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-        # Q4_K, Q6_K: regrouped by 8 rows).
-        packed = [ggml_kernels().ggml_repack(p.blocks, int(p.type), p.shape[1]) for p in parts]
+        # Q4_K, Q6_K: regrouped by 8 rows), or the file's own (`FROM_FILE`).
+        packed = [_layout(p) for p in parts]
         regrouped = [qtype != int(p.type) for p, (_, qtype) in zip(parts, packed, strict=True)]
         for part, copied in zip(parts, regrouped, strict=True):
             if copied:  # a repacked copy now serves it
@@ -153,3 +168,25 @@ class GGUFMethod(DenseMethod):
             kernels.ggml_dequantize(blocks, qtype, self.in_features, None, part)
             row += rows
         return weight
+
+
+def choose_mapped(file_bytes: int, available: int) -> frozenset[str]:
+    """Before a GGUF's weights load: the types it serves from the mapped file (`FROM_FILE`
+    where the file is more than `COPY_SHARE` of the ``available`` memory, or as
+    $PAGEDSERVE_GGUF_MAPPED says: ``always``, ``never``), kept for that load's `_layout`."""
+    global _mapped
+    mode = os.environ.get(MAPPED_ENV, "auto")
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"${MAPPED_ENV} must be auto, always or never, not {mode!r}")
+    large = file_bytes > COPY_SHARE * available
+    _mapped = FROM_FILE if mode == "always" or (mode == "auto" and large) else frozenset()
+    return _mapped
+
+
+def _layout(part: GGUFTensor) -> tuple[torch.Tensor, int]:
+    """A part's (blocks, type) as `ggml_linear` takes them: the file's own where this load
+    serves its type from the file (`choose_mapped`), else regrouped where its kernel reads a
+    regrouped copy faster."""
+    if part.type.name in _mapped:
+        return part.blocks, int(part.type)
+    return ggml_kernels().ggml_repack(part.blocks, int(part.type), part.shape[1])

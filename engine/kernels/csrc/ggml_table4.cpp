@@ -154,30 +154,64 @@ inline __m256 group_scale(const uint8_t* c, __m256 d, int i) {
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(ls));
 }
 
+// MXFP4 in the file's layout (a weight served from the mapped file, not regrouped), block
+// column b of the 8 rows at rows, rows + stride, ...: their scales (group_d's) and nibble
+// words as MXFP4x8 holds them, word j of row r in lane r of v[j] (table4_repack's layout),
+// made in registers by a 4x4 transpose of 32-bit words in each 128-bit lane.
+inline __m256 file_column_mx(const uint8_t* rows, int64_t stride, int64_t b, __m256i v[4]) {
+  const uint8_t* p = rows + b * 17;
+  if ((b & 3) == 0)  // 8 streams, one a row: each 16 blocks ahead, a cache line per 4 blocks
+    for (int r = 0; r < kGroupRows; ++r)
+      _mm_prefetch((const char*)(p + r * stride + 16 * 17), _MM_HINT_T0);
+  __m256i a[4];  // rows r (low lane) and r + 4 (high lane): their 16 nibble bytes
+  for (int r = 0; r < 4; ++r)
+    a[r] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(p + r * stride + 1))),
+        _mm_loadu_si128((const __m128i*)(p + (r + 4) * stride + 1)), 1);
+  const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  v[0] = _mm256_unpacklo_epi64(t0, t2);
+  v[1] = _mm256_unpackhi_epi64(t0, t2);
+  v[2] = _mm256_unpacklo_epi64(t1, t3);
+  v[3] = _mm256_unpackhi_epi64(t1, t3);
+  return e8m0_half8(_mm256_setr_epi32(p[0], p[stride], p[2 * stride], p[3 * stride],
+                                      p[4 * stride], p[5 * stride], p[6 * stride], p[7 * stride]));
+}
+
 // Regrouped (IQ4_NLx8, IQ4_XSx8, MXFP4x8): MT activation rows against weight rows [n0, n1),
-// 8 at a time, 256 bits wide (AVX2, or VNNI's 256-bit dot on AVX-512 below 4 rows).
-template <Kind KIND, int MT, typename Out>
+// 8 at a time, 256 bits wide (AVX2, or VNNI's 256-bit dot on AVX-512 below 4 rows). FROM_FILE
+// (MXFP4 only): the same 8 rows read from the file's layout (group_bytes is then a row's
+// bytes) through file_column_mx, so the same integer sums and float operations: the same
+// bits as the regrouped copy gives.
+template <Kind KIND, int MT, typename Out, bool FROM_FILE = false>
 void groups_dot_table4(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1,
                        const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  static_assert(!FROM_FILE || KIND == Kind::MX, "only MXFP4 is read in groups from the file");
   constexpr int64_t column = column_bytes(KIND);
   constexpr int SUBS = subs(KIND);
   const int64_t columns = K / (QK * SUBS);
   const __m256i table = _mm256_broadcastsi128_si256(levels128(KIND, kVNNI));
   const __m256i low = _mm256_set1_epi8(0xF);
   for (int64_t n = n0; n < n1; n += kGroupRows) {
-    const uint8_t* group = w + (n / kGroupRows) * group_bytes;
+    const uint8_t* group = FROM_FILE ? w + n * group_bytes : w + (n / kGroupRows) * group_bytes;
     __m256 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < columns; ++b) {
       const uint8_t* c = group + b * column;
-      for (int64_t k = 0; k < column; k += 64)
-        _mm_prefetch((const char*)(c + (SUBS > 1 ? 2 : 4) * column + k), _MM_HINT_T0);
-      const __m256 d = group_d<KIND>(c);
+      __m256i words[4];  // FROM_FILE: the column's nibble words
+      __m256 d;
+      if constexpr (FROM_FILE) {
+        d = file_column_mx(group, group_bytes, b, words);
+      } else {
+        for (int64_t k = 0; k < column; k += 64)
+          _mm_prefetch((const char*)(c + (SUBS > 1 ? 2 : 4) * column + k), _MM_HINT_T0);
+        d = group_d<KIND>(c);
+      }
       for (int i = 0; i < SUBS; ++i) {
         const uint8_t* q = c + quants_at(KIND, i);
         __m256i u[8];  // VNNI: the levels + 128; AVX2: the signed levels
         for (int j = 0; j < 4; ++j) {
-          const __m256i v = load32(q + 32 * j);
+          const __m256i v = FROM_FILE ? words[j] : load32(q + 32 * j);
           u[j] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
           u[4 + j] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
         }
@@ -272,6 +306,17 @@ void pairs_dot_table4(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t
 }
 #endif
 
+// The file's layout: MXFP4 in whole groups of 8 rows as its regrouped copy computes them
+// (a weight served from the mapped file gives the same bits), anything else a row at a time.
+template <Kind KIND, int MT, typename Out>
+void file_rows_table4(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                      const XBlock* x, int64_t xstride, int64_t K, Out* y, int64_t ldy) {
+  if constexpr (KIND == Kind::MX)
+    if (n0 % kGroupRows == 0 && (n1 - n0) % kGroupRows == 0)
+      return groups_dot_table4<KIND, MT, Out, true>(w, row_bytes, n0, n1, x, xstride, K, y, ldy);
+  rows_dot_table4<KIND, MT>(w, row_bytes, n0, n1, x, xstride, K, y, ldy);
+}
+
 template <Kind KIND, typename Out>
 void rows_table4(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                  int64_t K, Out* y, int64_t ldy) {
@@ -298,7 +343,7 @@ void rows_table4(const Segment& s, int64_t n0, int64_t n1, const Activations& a,
     Out* o = y + s.col0 + m * ldy;
 #define ROWS(MT)                                                                              \
   regrouped ? groups_dot_table4<KIND, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy) \
-            : rows_dot_table4<KIND, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)
+            : file_rows_table4<KIND, MT>(s.w, s.row_bytes, n0, n1, x, xstride, K, o, ldy)
     switch (std::min<int64_t>(kTile, M - m)) {
       case 1: ROWS(1); break;
       case 2: ROWS(2); break;
