@@ -73,7 +73,7 @@ VNNI_PASS_TESTS := tests/engine/test_float32_kernels.py \
 
 test: $(STAMP) chromium
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
 	@if [ -z "$(PYTEST_ARGS)" ] && grep -qw avx512_vnni /proc/cpuinfo; then \
 		echo "The AVX2 path on this AVX-512 CPU (PAGEDSERVE_CPU_KERNELS=avx2):"; \
 		PAGEDSERVE_CPU_KERNELS=avx2 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal \

@@ -83,8 +83,8 @@ def test_a_model_from_the_file_gives_the_regrouped_models_logits_and_tokens(
 
 def test_the_choice_follows_the_memory_available_unless_told(monkeypatch):
     monkeypatch.delenv(gguf_method.MAPPED_ENV, raising=False)
-    assert gguf_method.choose_mapped(12 << 30, 20 << 30) == {"MXFP4"}  # more than half
-    assert gguf_method.choose_mapped(8 << 30, 20 << 30) == frozenset()
+    assert gguf_method.choose_mapped(16 << 30, 20 << 30) == {"MXFP4"}  # more than 3/4
+    assert gguf_method.choose_mapped(12 << 30, 20 << 30) == frozenset()
     monkeypatch.setenv(gguf_method.MAPPED_ENV, "always")
     assert gguf_method.choose_mapped(1 << 20, 20 << 30) == {"MXFP4"}
     monkeypatch.setenv(gguf_method.MAPPED_ENV, "never")

@@ -29,12 +29,12 @@ run() {  # name, bench compare args...
     $R/$name.rss > $R/$name.rss.peak
 }
 # batch 1: ITL p50 is the goal's figure (at most llama-server's); short unique prompts.
-# pagedserve serves the MXFP4 experts from the mapped file when the file is more than half of
-# MemAvailable (12.1 GB against about 23 GB here: yes, by a little), else from a regrouped copy
-# (1.2-1.9x less CPU time a multiply): c1-copy measures the copy too (pagedserve alone, ~2 min).
+# pagedserve serves the MXFP4 experts from a regrouped copy unless the file is more than 3/4 of
+# MemAvailable (12.1 GB against about 23 GB here: the copy); c1-mapped measures the mapped
+# file's path too (pagedserve alone, ~2 min).
 run c1 --servers pagedserve,llama-server --workload unique --concurrency 1 --num-requests 3 \
   --prefix-len 128 --max-tokens 32
-PAGEDSERVE_GGUF_MAPPED=never run c1-copy --servers pagedserve --workload unique --concurrency 1 \
+PAGEDSERVE_GGUF_MAPPED=always run c1-mapped --servers pagedserve --workload unique --concurrency 1 \
   --num-requests 3 --prefix-len 128 --max-tokens 32
 # 8 and 32 streams sharing 2 prefixes: output tok/s (goals 2x and 3x llama-server's)
 run c8 --servers pagedserve,llama-server --workload shared-prefix --concurrency 8 --num-requests 16 \
