@@ -209,10 +209,10 @@ struct BlockIQ {
 
 // ---------------------------------------------------------------- prefill: rows expanded
 // At a few activation rows the kernel above is bound by its decoding (a sub-block's table
-// loads, inserts and sign lookups: several times its rows' dots at 4 rows). Above
+// loads, inserts and sign lookups: several times its rows' dots at 4 rows). From
 // kExpandRows a task's weight rows are decoded once per call instead, each block to its 256
 // signed int8 values (grid * sign, within +-62), its sub-blocks' madd scales and d, and every
-// tile of activation rows runs on them: per row and sub-block one maddubs, one madd and an add.
+// tile of activation rows runs on them: per row and sub-block one xor, maddubs, madd and add.
 // maddubs takes its unsigned side from the activations, x + 128 (1..255; x is never -128):
 // pairs within 2 x 255 x 62 = 31,620, no saturation. That adds 128 x the weights' sums,
 // which `corr` holds per block (the same madd by the scales), subtracted once per block and
@@ -220,7 +220,7 @@ struct BlockIQ {
 // of each sub-block times the same scale), and the float operations per row are rows_dot's
 // (d * x.d, one fmadd a block into two sets alternating by block): the same bits either way.
 constexpr int64_t kExpandRows = 8;  // activation rows from which a call expands its weights
-constexpr int kExpandTile = 8;      // activation rows per pass over an expanded block
+constexpr int kExpandTile = 8;      // activation rows per pass over an expanded block (4: as fast)
 
 struct alignas(32) Expanded {
   int8_t w[256];      // the values, grid * sign
@@ -246,10 +246,12 @@ void expand_block(const uint8_t* blk, Expanded* e) {
   e->d = fp16(blk) * F::factor;
 }
 
-// MT activation rows (their x + 128 at xu, K bytes a row) against `nrows` expanded rows.
+// MT activation rows against `nrows` expanded rows. x + 128 made as it is loaded (one xor,
+// which measured free: a copy of the tile's activations made once per task was no faster).
 template <int MT, typename Out>
-void expanded_dot(const Expanded* e, int64_t nrows, int64_t blocks, const uint8_t* xu, int64_t K,
-                  const XBlockK* x, int64_t xstride, Out* y, int64_t ldy) {
+void expanded_dot(const Expanded* e, int64_t nrows, int64_t blocks, const XBlockK* x,
+                  int64_t xstride, Out* y, int64_t ldy) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
   for (int64_t n = 0; n < nrows; ++n, e += blocks) {
     __m256 acc[2][MT];
     for (int s = 0; s < 2; ++s)
@@ -263,7 +265,8 @@ void expanded_dot(const Expanded* e, int64_t nrows, int64_t blocks, const uint8_
         const __m256i v = _mm256_load_si256((const __m256i*)(blk.w + 32 * b));
         const __m256i scale = blk.scale[b];
         for (int m = 0; m < MT; ++m) {
-          const __m256i p = _mm256_maddubs_epi16(load32(xu + m * K + 256 * k + 32 * b), v);
+          const __m256i xb = _mm256_xor_si256(load32(x[m * xstride + k].q + 32 * b), flip);
+          const __m256i p = _mm256_maddubs_epi16(xb, v);
           sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, scale));
         }
       }
@@ -277,24 +280,12 @@ void expanded_dot(const Expanded* e, int64_t nrows, int64_t blocks, const uint8_
   }
 }
 
-// MT rows' activations as x + 128 (the int8 values' bits with the top one flipped).
-inline void biased_rows(const XBlockK* x, int64_t xstride, int MT, int64_t blocks, uint8_t* xu) {
-  const __m256i flip = _mm256_set1_epi8((char)0x80);
-  for (int m = 0; m < MT; ++m)
-    for (int64_t k = 0; k < blocks; ++k)
-      for (int j = 0; j < 256; j += 32)
-        _mm256_storeu_si256((__m256i*)(xu + (m * blocks + k) * 256 + j),
-                            _mm256_xor_si256(load32(x[m * xstride + k].q + j), flip));
-}
-
 template <typename F, typename Out>
 void expanded_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
                    int64_t K, Out* y, int64_t ldy) {
   const int64_t blocks = K / 256, nrows = n1 - n0;
   thread_local std::vector<Expanded> rows;
-  thread_local std::vector<uint8_t> xu;
   rows.resize(nrows * blocks);
-  xu.resize(kExpandTile * K);
   for (int64_t n = 0; n < nrows; ++n)
     for (int64_t k = 0; k < blocks; ++k)
       expand_block<F>(s.w + (n0 + n) * s.row_bytes + k * F::bytes, &rows[n * blocks + k]);
@@ -302,9 +293,8 @@ void expanded_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& 
   for (int64_t m = 0; m < M;) {
     const int MT = (int)std::min<int64_t>(kExpandTile, M - m);
     const XBlockK* x = a.x256.data() + m * blocks;
-    biased_rows(x, blocks, MT, blocks, xu.data());
     Out* o = out + m * ldy;
-#define DOT(T) expanded_dot<T>(rows.data(), nrows, blocks, xu.data(), K, x, blocks, o, ldy)
+#define DOT(T) expanded_dot<T>(rows.data(), nrows, blocks, x, blocks, o, ldy)
     switch (MT) {
       case 1: DOT(1); break;
       case 2: DOT(2); break;
