@@ -152,6 +152,35 @@ def test_the_largest_sums_do_not_overflow(qtype, int8_value):
         assert _relative_error(y, reference) < 1e-5, (qtype.name, wtype)
 
 
+@pytest.mark.parametrize("qtype", GRID, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grid_rows_do_not_depend_on_what_else_is_in_the_call(qtype, dtype):
+    # From 8 activation rows a call expands its weights to int8 once and runs tiles of 8 rows
+    # on them (ggml_iq_grid.cpp); under 8 it decodes per tile of 4: the same integer sums and
+    # float order either way, so a row's output is the same bits alone or in any call. 20
+    # weight rows: a task of 16 and one of 4; 3 blocks a row: both accumulator sets and an
+    # odd one out. Row 0's weights and activation rows 5 and 6 at their extremes (every bit
+    # set, d = 1; +-1 activations, which quantize to +-127): the largest sums either path makes.
+    values, size = GGML_QUANT_SIZES[qtype]
+    cols = 3 * values
+    blocks = random_blocks(qtype, 20, cols, np.random.default_rng(7))
+    extreme = np.full((cols // values, size), 0xFF, np.uint8)
+    extreme[:, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    blocks[0] = extreme.reshape(-1)
+    w = torch.from_numpy(blocks)
+    x = torch.randn(27, cols, generator=torch.Generator().manual_seed(2))
+    x[5], x[6] = 1.0, torch.where(torch.arange(cols) % 3 == 0, 1.0, -1.0)
+    x = x.to(dtype)
+    kernels = ggml_kernels()
+    full = kernels.ggml_linear(x, [w], [int(qtype)])
+    reference = x.float() @ torch.from_numpy(quants.dequantize(blocks, qtype)).T
+    assert _relative_error(full, reference) < 0.015
+    for size in (1, 4, 7, 8, 9, 16):  # either side of 8, and tiles with rests
+        for start in range(0, 27 - size + 1, size):
+            part = kernels.ggml_linear(x[start : start + size], [w], [int(qtype)])
+            assert torch.equal(part, full[start : start + size]), (qtype.name, size, start)
+
+
 @pytest.mark.parametrize("qtype", HALF, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_half_weights_decode_exactly_and_multiply_in_float(qtype, dtype):

@@ -207,6 +207,116 @@ struct BlockIQ {
   }
 };
 
+// ---------------------------------------------------------------- prefill: rows expanded
+// At a few activation rows the kernel above is bound by its decoding (a sub-block's table
+// loads, inserts and sign lookups: several times its rows' dots at 4 rows). From
+// kExpandRows a task's weight rows are decoded once per call instead, each block to its 256
+// signed int8 values (grid * sign, within +-62), its sub-blocks' madd scales and d, and every
+// tile of activation rows runs on them: per row and sub-block one xor, maddubs, madd and add.
+// maddubs takes its unsigned side from the activations, x + 128 (1..255; x is never -128):
+// pairs within 2 x 255 x 62 = 31,620, no saturation. That adds 128 x the weights' sums,
+// which `corr` holds per block (the same madd by the scales), subtracted once per block and
+// row. So each int32 lane holds exactly the integers BlockIQ::dot sums (the same 4 values
+// of each sub-block times the same scale), and the float operations per row are rows_dot's
+// (d * x.d, one fmadd a block into two sets alternating by block): the same bits either way.
+constexpr int64_t kExpandRows = 8;  // activation rows from which a call expands its weights
+constexpr int kExpandTile = 8;      // activation rows per pass over an expanded block (4: as fast)
+
+struct alignas(32) Expanded {
+  int8_t w[256];      // the values, grid * sign
+  __m256i scale[8];   // sub-block b's int16 scales as madd takes them (BlockIQ's `scale`)
+  __m256i corr;       // sum over b of madd(maddubs(128, w_b), scale_b)
+  float d;            // fp16(d) * the format's factor
+};
+
+template <typename F>
+void expand_block(const uint8_t* blk, Expanded* e) {
+  const F f(blk);
+  const __m256i bias = _mm256_set1_epi8((char)0x80);
+  __m256i corr = _mm256_setzero_si256();
+  for (int b = 0; b < 8; ++b) {
+    __m256i u, s, scale;
+    f.sub(b, u, s, scale);
+    const __m256i v = _mm256_sign_epi8(u, s);
+    _mm256_store_si256((__m256i*)(e->w + 32 * b), v);
+    e->scale[b] = scale;
+    corr = _mm256_add_epi32(corr, _mm256_madd_epi16(_mm256_maddubs_epi16(bias, v), scale));
+  }
+  e->corr = corr;
+  e->d = fp16(blk) * F::factor;
+}
+
+// MT activation rows against `nrows` expanded rows. x + 128 made as it is loaded (one xor,
+// which measured free: a copy of the tile's activations made once per task was no faster).
+template <int MT, typename Out>
+void expanded_dot(const Expanded* e, int64_t nrows, int64_t blocks, const XBlockK* x,
+                  int64_t xstride, Out* y, int64_t ldy) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  for (int64_t n = 0; n < nrows; ++n, e += blocks) {
+    __m256 acc[2][MT];
+    for (int s = 0; s < 2; ++s)
+      for (int m = 0; m < MT; ++m) acc[s][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; ++k) {
+      const Expanded& blk = e[k];
+      __m256i sum[MT];
+      for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int b = 0; b < 8; ++b) {
+        const __m256i v = _mm256_load_si256((const __m256i*)(blk.w + 32 * b));
+        const __m256i scale = blk.scale[b];
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xb = _mm256_xor_si256(load32(x[m * xstride + k].q + 32 * b), flip);
+          const __m256i p = _mm256_maddubs_epi16(xb, v);
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, scale));
+        }
+      }
+      for (int m = 0; m < MT; ++m)
+        add(acc[k % 2][m], _mm256_sub_epi32(sum[m], blk.corr), blk.d * x[m * xstride + k].d);
+    }
+    // rows_dot's sum: the two sets, then its offset term (zero here, still added: x + 0.f
+    // is not x for x = -0.f)
+    for (int m = 0; m < MT; ++m)
+      y[m * ldy + n] = (Out)(hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + 0.f);
+  }
+}
+
+template <typename F, typename Out>
+void expanded_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+                   int64_t K, Out* y, int64_t ldy) {
+  const int64_t blocks = K / 256, nrows = n1 - n0;
+  thread_local std::vector<Expanded> rows;
+  rows.resize(nrows * blocks);
+  for (int64_t n = 0; n < nrows; ++n)
+    for (int64_t k = 0; k < blocks; ++k)
+      expand_block<F>(s.w + (n0 + n) * s.row_bytes + k * F::bytes, &rows[n * blocks + k]);
+  Out* out = y + s.col0 + n0;
+  for (int64_t m = 0; m < M;) {
+    const int MT = (int)std::min<int64_t>(kExpandTile, M - m);
+    const XBlockK* x = a.x256.data() + m * blocks;
+    Out* o = out + m * ldy;
+#define DOT(T) expanded_dot<T>(rows.data(), nrows, blocks, x, blocks, o, ldy)
+    switch (MT) {
+      case 1: DOT(1); break;
+      case 2: DOT(2); break;
+      case 3: DOT(3); break;
+      case 4: DOT(4); break;
+      case 5: DOT(5); break;
+      case 6: DOT(6); break;
+      case 7: DOT(7); break;
+      default: DOT(8); break;
+    }
+#undef DOT
+    m += MT;
+  }
+}
+
+template <typename F, typename Out>
+void grid_rows(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
+               int64_t K, Out* y, int64_t ldy) {
+  if (M >= kExpandRows) return expanded_rows<F>(s, n0, n1, a, M, K, y, ldy);
+  segment_rows<BlockIQ<F>>(s, n0, n1, a, M, K, y, ldy);
+}
+
 // ---------------------------------------------------------------- exact dequantization
 // As ggml's dequantize_row_iq2_xxs etc. (and the gguf package's): db * grid * sign, db as ggml
 // rounds it; this file is compiled with -ffp-contract=off, so nothing is fused.
@@ -282,11 +392,11 @@ template <typename Out>
 void rows_any(const Segment& s, int64_t n0, int64_t n1, const Activations& a, int64_t M,
               int64_t K, Out* y, int64_t ldy) {
   switch (s.type) {
-    case IQ2_XXS: return segment_rows<BlockIQ<IQ2XXS>>(s, n0, n1, a, M, K, y, ldy);
-    case IQ2_XS: return segment_rows<BlockIQ<IQ2XS>>(s, n0, n1, a, M, K, y, ldy);
-    case IQ2_S: return segment_rows<BlockIQ<IQ2S>>(s, n0, n1, a, M, K, y, ldy);
-    case IQ3_XXS: return segment_rows<BlockIQ<IQ3XXS>>(s, n0, n1, a, M, K, y, ldy);
-    default: return segment_rows<BlockIQ<IQ3S>>(s, n0, n1, a, M, K, y, ldy);
+    case IQ2_XXS: return grid_rows<IQ2XXS>(s, n0, n1, a, M, K, y, ldy);
+    case IQ2_XS: return grid_rows<IQ2XS>(s, n0, n1, a, M, K, y, ldy);
+    case IQ2_S: return grid_rows<IQ2S>(s, n0, n1, a, M, K, y, ldy);
+    case IQ3_XXS: return grid_rows<IQ3XXS>(s, n0, n1, a, M, K, y, ldy);
+    default: return grid_rows<IQ3S>(s, n0, n1, a, M, K, y, ldy);
   }
 }
 
