@@ -15,10 +15,11 @@ any group takes a block, so a request gets room in all its groups or in none.
 `get_group_block_ids` gives the others, which the model runner turns into each group's
 attention metadata; `take_state_step` what the step does with the request's state.
 
-A second tier (kv_cache/host_tier.py) serves full-attention groups and the state group:
-the shared pool's evicted blocks go to one tier file (a block's hash names its group, so
-one file holds every group's), the state group's evicted snapshots to another, and a
-lookup continues in each. Sliding-window groups are not served by a tier yet.
+A second tier (kv_cache/host_tier.py) serves every group: the shared pool's evicted
+blocks go to one tier file (a block's hash names its group, so one file holds every
+group's), the state group's evicted snapshots to another, and each group's lookup counts
+what its tier holds (`_hits` asks each group for no more than the groups before it found,
+so none brings back blocks a shorter hit would not use).
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ class HybridKVCacheManager:
         neither for a model with a state group)."""
         if len(groups) + (state is not None) < 2:
             raise ValueError("a hybrid KV cache manager needs two groups or more")
-        if tier is not None and any(group.window is not None for group in groups):
-            raise ValueError("the second KV tier does not serve sliding-window groups yet")
         if state_tier is not None and (tier is None or state is None):
             raise ValueError("a state tier needs a state group and a KV tier beside it")
         if tier is not None and state is not None and state_tier is None:

@@ -34,7 +34,7 @@ block pool (kv_cache/hybrid.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool, EventListener
@@ -45,7 +45,7 @@ from kv_cache.request_state import SKIPPED, RequestLike, RequestState
 from kv_cache.sliding_window import first_block_read, max_blocks_held, window_hit
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
-from kv_cache.tier_link import TierLink
+from kv_cache.tier_link import IN_TIER, TierLink
 
 
 class KVCacheManager:
@@ -73,8 +73,6 @@ class KVCacheManager:
             tier = tier_link.tier
         if tier is not None and (hash_algo != "sha256" or not enable_caching):
             raise ValueError("a second KV tier needs prefix caching with sha256 block hashes")
-        if tier is not None and window is not None:
-            raise ValueError("the second KV tier does not serve sliding-window groups yet")
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must be >= 1 token, got {window}")
         self.window = window
@@ -145,14 +143,37 @@ class KVCacheManager:
             return [], 0
         state, hits = self._lookup(req, max_blocks)
         if self.tier_link is not None:
-            restored = self.tier_link.restore(
-                self.block_pool, self.block_size, req, state.block_hashes, hits
-            )
-            self.stats.tier_hits += len(restored) * self.block_size
-            hits += restored
+            hits = self._tier_hits(req, state, hits, max_blocks)
         num_hit_tokens = len(hits) * self.block_size
         state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
+
+    def _tier_hits(
+        self,
+        req: RequestLike,
+        state: RequestState,
+        hits: list[KVCacheBlock | None],
+        max_blocks: int | None,
+    ) -> list[KVCacheBlock | None]:
+        """The pool's `hits` with what the tier brings back: under full attention the
+        blocks that continue them (`TierLink.restore`); under a sliding window the longest
+        hit the pool and the tier serve together, when longer than the pool's own."""
+        link = self.tier_link
+        assert link is not None
+        pool, hashes = self.block_pool, state.block_hashes
+        if self.window is None:
+            restored = link.restore(pool, self.block_size, req, hashes, hits, max_blocks)
+            self.stats.tier_hits += len(restored) * self.block_size
+            return hits + restored
+        found = self._lookup(req, max_blocks, link.with_tier(pool))[1]
+        if len(found) <= len(hits):
+            return hits
+        num_restored = sum(1 for block in found if block is IN_TIER)
+        longer = link.bring_back_all(pool, hashes, found)
+        if longer is None:  # (blocks were taken from the free head: the pool's hits again)
+            return self._lookup(req, max_blocks)[1]
+        self.stats.tier_hits += num_restored * self.block_size
+        return longer
 
     def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
         """What the engine must copy before the step it is about to run (`TierLink.take`)."""
@@ -170,8 +191,13 @@ class KVCacheManager:
         return len(self._lookup(req)[1]) * self.block_size
 
     def _lookup(
-        self, req: RequestLike, max_blocks: int | None = None
+        self,
+        req: RequestLike,
+        max_blocks: int | None = None,
+        lookup: Callable[[BlockHash], KVCacheBlock | None] | None = None,
     ) -> tuple[RequestState, list[KVCacheBlock | None]]:
+        """The request's state and its hit in the pool (through `lookup`, else the pool's
+        cached blocks)."""
         state = self._state(req)
         token_ids = req.all_token_ids
         num_tokens = len(token_ids)
@@ -180,7 +206,7 @@ class KVCacheManager:
         num_full = num_tokens // block_size
         if len(hashes) < num_full:
             self._hasher.extend(hashes, token_ids, block_size, state.extra, num_full)
-        lookup = self.block_pool.cached_hash_to_block.get
+        lookup = lookup or self.block_pool.cached_hash_to_block.get
         limit = (num_tokens - 1) // block_size
         if max_blocks is not None:
             limit = min(limit, max_blocks)

@@ -11,12 +11,19 @@ and the step that runs it (`KVCacheManager.take_tier_moves`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kv_cache.block import BlockHash, KVCacheBlock
 from kv_cache.block_pool import BlockPool, BlockRemoved, EventListener, KVCacheEvent
 from kv_cache.host_tier import HostTier
+
+
+class InTier:
+    """The type of `IN_TIER`: a block the tier holds and the pool does not."""
+
+
+IN_TIER = InTier()
 
 
 class _Request(Protocol):
@@ -48,12 +55,16 @@ class TierLink:
         req: _Request,
         hashes: Sequence[BlockHash],
         hits: list[KVCacheBlock],
+        max_blocks: int | None = None,
     ) -> list[KVCacheBlock]:
         """The blocks the tier gives back to continue `hits` (req's cached prefix in the
-        pool; `hashes` its block hashes), when the pool has room for the whole request:
-        each is cached in a free block now, its bytes copied in before the next step."""
+        pool; `hashes` its block hashes) up to `max_blocks` in all, when the pool has room
+        for the whole request: each is cached in a free block now, its bytes copied in
+        before the next step."""
         num_tokens = len(req.all_token_ids)
         limit = (num_tokens - 1) // block_size  # as a lookup: the last token is computed
+        if max_blocks is not None:  # (a hybrid's other groups serve no more: kv_cache/hybrid.py)
+            limit = min(limit, max_blocks)
         first = len(hits)
         if first >= limit or hashes[first] not in self.tier:
             return []
@@ -70,6 +81,39 @@ class TierLink:
             restored.append(block)
         pool.free_blocks(reversed(hits))
         return restored
+
+    def with_tier(self, pool: BlockPool) -> Callable[[BlockHash], KVCacheBlock | InTier | None]:
+        """A lookup that finds the pool's cached blocks, and `IN_TIER` for a block only the
+        tier holds (a sliding-window group's search counts both as cached)."""
+        cached, tier = pool.cached_hash_to_block.get, self.tier
+
+        def lookup(block_hash: BlockHash) -> KVCacheBlock | InTier | None:
+            block = cached(block_hash)
+            return block if block is not None else IN_TIER if block_hash in tier else None
+
+        return lookup
+
+    def bring_back_all(
+        self,
+        pool: BlockPool,
+        hashes: Sequence[BlockHash],
+        found: list[KVCacheBlock | InTier | None],
+    ) -> list[KVCacheBlock | None] | None:
+        """`found` (a hit through `with_tier`) with each `IN_TIER` brought back into the
+        pool, or None when one could not be (torn, or no free block). The pool's blocks in
+        it stay out of reach while blocks are taken from the free head."""
+        held = [b for b in found if isinstance(b, KVCacheBlock)]
+        pool.touch(held)
+        hits: list[KVCacheBlock | None] | None = []
+        for index, block in enumerate(found):
+            if block is IN_TIER:
+                block = self.bring_back(pool, hashes, index)
+                if block is None:
+                    hits = None
+                    break
+            hits.append(block)
+        pool.free_blocks(reversed(held))
+        return hits
 
     def bring_back(
         self, pool: BlockPool, hashes: Sequence[BlockHash], index: int

@@ -88,3 +88,19 @@ def test_a_hybrid_models_groups_share_the_cache_tensors(windowed):
     expected = {"mistral": (1, 2), "qwen2": (2, 1), "gemma3": (2, 1), "gemma3-5to1": (6, 1)}
     assert (len(groups), len(tensors)) == expected[name]
     assert core.config.kv_cache_tensors == len(tensors)
+
+
+def test_windowed_blocks_come_back_from_the_tier_with_transformers_tokens(windowed, tmp_path):
+    """A second tier serves every group: a repeat finds what the small pool evicted (the
+    window's last blocks too) in the tier, and the tokens stay transformers'."""
+    name, path, prompts, expected = windowed
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_blocks=POOL_BLOCKS[name],
+              max_num_batched_tokens=10, kv_offload_bytes=4 << 20, cache_dir=str(tmp_path))  # fmt: skip
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    for _ in range(2):  # each prompt alone: it evicts the ones before
+        for prompt, tokens in zip(prompts[:4], expected[:4], strict=True):
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            assert out.token_ids == tokens
+    kv = llm.engine.core.kv_cache_manager
+    assert kv.stats.tier_hits > 0
+    assert_all_blocks_free(llm)

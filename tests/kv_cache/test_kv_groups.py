@@ -7,6 +7,7 @@ import pytest
 
 from kv_cache import KVCacheManager
 from kv_cache.groups import KVCacheGroup, group_size, kv_cache_groups, layer_slots
+from kv_cache.host_tier import HEADER_BYTES, HostTier
 from kv_cache.hybrid import HybridKVCacheManager
 from kv_cache.request_state import SKIPPED
 from tests.kv_cache.test_kv_manager import Req, admit
@@ -177,6 +178,29 @@ def test_hybrid_hit_shrinks_to_what_the_sliding_group_still_holds():
     hits, num_hit_tokens = mgr.get_computed_blocks(Req("b", prompt + [2]))
     assert num_hit_tokens == 16  # blocks 2-3 still cached serve a 16-token hit
     assert [len(h) for h in hits] == [4, 4]
+    mgr.check_invariants()
+
+
+def test_hybrid_hit_with_a_tier_that_lengthens_one_group_only_ends_at_the_shortest(tmp_path):
+    """The full group's blocks come back from the tier, the sliding group's last blocks are
+    nowhere: the groups agree on the sliding group's hit (the tier's restore had ignored
+    the limit, and the agreement loop never ended)."""
+    tier = HostTier(tmp_path / "tier.bin", HEADER_BYTES + 64 * (8 + 36), 8, "fake")
+    mgr = HybridKVCacheManager(64, 4, kv_cache_groups([8, None]), hash_algo="sha256", tier=tier)
+    prompt = list(range(24))
+    admit(mgr, Req("a", prompt + [1]))
+    mgr.free("a")
+    probe = Req("probe", prompt + [1])
+    full, window = (group._lookup(probe)[0].block_hashes for group in mgr.groups)
+    pool = mgr.block_pool
+    for i in (2, 3, 4, 5):  # the full group's, kept by the tier only
+        pool.uncache(pool.cached_hash_to_block[full[i]])
+        tier.put(full[i], bytes(8))
+    for i in (4, 5):  # the sliding blocks a 24-token hit would read: gone
+        pool.uncache(pool.cached_hash_to_block[window[i]])
+    hits, num_hit_tokens = mgr.get_computed_blocks(Req("b", prompt + [2]))
+    assert num_hit_tokens == 16 and [len(h) for h in hits] == [4, 4]
+    assert mgr.stats.tier_hits >= 8  # the full group's blocks 2-3 came back
     mgr.check_invariants()
 
 

@@ -301,10 +301,9 @@ def test_an_evicted_snapshot_goes_to_the_state_tier_and_a_hit_brings_it_back(tmp
     mgr.check_invariants()
 
 
-def test_a_tier_needs_sliding_windows_off_and_the_state_tier_beside_it(tmp_path):
+def test_a_kv_tier_needs_the_state_tier_beside_it(tmp_path):
     both = tiers(tmp_path)
     with pytest.raises(ValueError, match="state group's tier"):
         manager(tier=both["tier"])
-    with pytest.raises(ValueError, match="sliding-window"):
-        kv_cache_manager_for((KVCacheGroup(None, (0,)), KVCacheGroup(4, (1,))), 16, BS,
-                             hash_algo="sha256", tier=both["tier"])  # fmt: skip
+    with pytest.raises(ValueError, match="a state tier needs"):
+        manager(state_tier=both["state_tier"])
