@@ -90,6 +90,10 @@ def test_a_hybrid_models_groups_share_the_cache_tensors(windowed):
     assert core.config.kv_cache_tensors == len(tensors)
 
 
+# The all-windowed model (one sliding group: its own lookup brings back the window's blocks)
+# and the six-group hybrid (each group asked within the others' hit); the two-group models
+# add nothing to these.
+@pytest.mark.parametrize("windowed", ["mistral", "gemma3-5to1"], indirect=True)
 def test_windowed_blocks_come_back_from_the_tier_with_transformers_tokens(windowed, tmp_path):
     """A second tier serves every group: a repeat finds what the small pool evicted (the
     window's last blocks too) in the tier, and the tokens stay transformers'."""
