@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +31,8 @@ from engine.device import GpuMemory, measure_gpu_memory, reset_peak_memory_stats
 from engine.distributed import TensorParallel, broadcast_object
 from engine.errors import StepError
 from engine.execution_plan import ExecutionPlan
-from engine.kv_tier import KVCaches, TierCopies, block_nbytes, open_tier
-from engine.loader import default_cache_dir, load_generation_eos, load_tokenizer, source_gguf
+from engine.kv_tier import TierCopies, open_tiers
+from engine.loader import load_generation_eos, load_tokenizer, source_gguf
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, SampledTokens
 from engine.outputs import EngineCoreOutput
@@ -49,7 +48,6 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerOutput, fits_
 if TYPE_CHECKING:  # types only: grammar_cache imports xgrammar, which loads on first use
     from engine.structured_output.grammar_cache import CompileResult
     from kv_cache import BlockCounts, PoolSnapshot
-    from kv_cache.host_tier import HostTier
     from scheduler import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -116,8 +114,8 @@ class EngineCore:
                 engine.max_num_seqs, config.device,
             )  # fmt: skip
             graphs.capture()
-        tier, state_tier = self._open_tiers(tensors, states) if engine.kv_offload_bytes else (
-            None, None)  # fmt: skip
+        tier, state_tier = (open_tiers(config, tensors, states, model.tp is not None)
+                            if engine.kv_offload_bytes else (None, None))  # fmt: skip
         self.scheduler = Scheduler(
             config.scheduler_config(tiered=tier is not None), kv_event_listener, tier=tier,
             state_tier=state_tier,
@@ -306,30 +304,6 @@ class EngineCore:
         del scratch, hidden
         memory = measure_gpu_memory(device)
         return GpuMemory(memory.total, memory.peak_used - scratch_bytes)
-
-    def _open_tiers(
-        self, tensors: KVCaches, states: list[StateTensors]
-    ) -> tuple[HostTier, HostTier | None]:
-        """The KV blocks' tier file and, for a model with recurrent layers, its state
-        snapshots' (`kv_offload_bytes` split between them as the pool's memory is)."""
-        engine = self.config.engine
-        if self.model.tp is not None:
-            raise ValueError("the KV tier (kv_offload_bytes) runs in one process, not under "
-                             "tensor parallelism")  # fmt: skip
-        if not engine.enable_prefix_caching:
-            raise ValueError("the KV tier (kv_offload_bytes) needs prefix caching")
-        cache_dir = Path(engine.cache_dir) if engine.cache_dir else default_cache_dir()
-        config, capacity = self.config, engine.kv_offload_bytes
-        state_tier = None
-        if states:
-            kv_bytes = config.num_blocks * block_nbytes(tensors)
-            state_bytes = config.num_state_slots * block_nbytes(states)
-            state_capacity = capacity * state_bytes // (kv_bytes + state_bytes)
-            capacity -= state_capacity
-            state_tier = open_tier(cache_dir, state_capacity, states, config.model_dir,
-                                   engine.block_size, kind="state")  # fmt: skip
-        tier = open_tier(cache_dir, capacity, tensors, config.model_dir, engine.block_size)
-        return tier, state_tier
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -16,12 +16,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.loader import default_cache_dir
 from kv_cache import BlockHash
 from kv_cache.host_tier import HostTier
+
+if TYPE_CHECKING:
+    from engine.resolved_config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,31 @@ def open_tier(
         tier.reopened_entries,
     )  # fmt: skip
     return tier
+
+
+def open_tiers(
+    config: ResolvedConfig, tensors: KVCaches, states: KVCaches, tensor_parallel: bool
+) -> tuple[HostTier, HostTier | None]:
+    """The KV blocks' tier file and, for a model with recurrent layers, its state snapshots'
+    (`kv_offload_bytes` split between them as the pool's memory is)."""
+    engine = config.engine
+    if tensor_parallel:
+        raise ValueError("the KV tier (kv_offload_bytes) runs in one process, not under "
+                         "tensor parallelism")  # fmt: skip
+    if not engine.enable_prefix_caching:
+        raise ValueError("the KV tier (kv_offload_bytes) needs prefix caching")
+    cache_dir = Path(engine.cache_dir) if engine.cache_dir else default_cache_dir()
+    capacity = engine.kv_offload_bytes
+    state_tier = None
+    if states:
+        kv_bytes = config.num_blocks * block_nbytes(tensors)
+        state_bytes = config.num_state_slots * block_nbytes(states)
+        state_capacity = capacity * state_bytes // (kv_bytes + state_bytes)
+        capacity -= state_capacity
+        state_tier = open_tier(cache_dir, state_capacity, states, config.model_dir,
+                               engine.block_size, kind="state")  # fmt: skip
+    tier = open_tier(cache_dir, capacity, tensors, config.model_dir, engine.block_size)
+    return tier, state_tier
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> list[bytes]:

@@ -204,7 +204,7 @@ class HybridKVCacheManager:
 
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """(block id, hash) of every block the shared pool caches, every group's."""
-        return [(b.block_id, h) for h, b in self.block_pool.cached_hash_to_block.items()]
+        return self.groups[0].cached_blocks()  # (any group's: they share the pool)
 
     def cached_snapshots(self) -> list[tuple[int, BlockHash]]:
         """(slot, hash) of every snapshot the state group caches."""

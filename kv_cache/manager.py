@@ -45,7 +45,7 @@ from kv_cache.request_state import SKIPPED, RequestLike, RequestState
 from kv_cache.sliding_window import first_block_read, max_blocks_held, window_hit
 from kv_cache.snapshot import PoolSnapshot, take_snapshot
 from kv_cache.stats import BlockCounts, PrefixCacheStats
-from kv_cache.tier_link import IN_TIER, TierLink
+from kv_cache.tier_link import TierLink
 
 
 class KVCacheManager:
@@ -148,16 +148,11 @@ class KVCacheManager:
         state.pending_lookup = (len(req.all_token_ids), num_hit_tokens)
         return hits, num_hit_tokens
 
-    def _tier_hits(
-        self,
-        req: RequestLike,
-        state: RequestState,
-        hits: list[KVCacheBlock | None],
-        max_blocks: int | None,
-    ) -> list[KVCacheBlock | None]:
+    def _tier_hits(self, req: RequestLike, state: RequestState, hits: list[KVCacheBlock | None],
+                   max_blocks: int | None) -> list[KVCacheBlock | None]:  # fmt: skip
         """The pool's `hits` with what the tier brings back: under full attention the
         blocks that continue them (`TierLink.restore`); under a sliding window the longest
-        hit the pool and the tier serve together, when longer than the pool's own."""
+        hit the pool and the tier serve together (`TierLink.lengthen`)."""
         link = self.tier_link
         assert link is not None
         pool, hashes = self.block_pool, state.block_hashes
@@ -165,15 +160,11 @@ class KVCacheManager:
             restored = link.restore(pool, self.block_size, req, hashes, hits, max_blocks)
             self.stats.tier_hits += len(restored) * self.block_size
             return hits + restored
-        found = self._lookup(req, max_blocks, link.with_tier(pool))[1]
-        if len(found) <= len(hits):
-            return hits
-        num_restored = sum(1 for block in found if block is IN_TIER)
-        longer = link.bring_back_all(pool, hashes, found)
-        if longer is None:  # (blocks were taken from the free head: the pool's hits again)
-            return self._lookup(req, max_blocks)[1]
+        hits, num_restored = link.lengthen(
+            pool, hashes, hits, lambda lookup: self._lookup(req, max_blocks, lookup)[1]
+        )
         self.stats.tier_hits += num_restored * self.block_size
-        return longer
+        return hits
 
     def take_tier_moves(self) -> tuple[list[tuple[int, BlockHash]], dict[int, bytes]]:
         """What the engine must copy before the step it is about to run (`TierLink.take`)."""

@@ -93,6 +93,25 @@ class TierLink:
 
         return lookup
 
+    def lengthen(
+        self,
+        pool: BlockPool,
+        hashes: Sequence[BlockHash],
+        hits: list[KVCacheBlock | None],
+        search: Callable[[Callable], list],
+    ) -> tuple[list[KVCacheBlock | None], int]:
+        """A sliding-window group's `hits` (the pool's own) made the longest hit the pool and
+        the tier serve together (`search`: the group's search through a lookup), its blocks
+        brought back; and how many came back."""
+        found = search(self.with_tier(pool))
+        if len(found) <= len(hits):
+            return hits, 0
+        num_restored = sum(1 for block in found if block is IN_TIER)
+        longer = self.bring_back_all(pool, hashes, found)
+        if longer is None:  # (blocks were taken from the free head: the pool's hit again)
+            return search(pool.cached_hash_to_block.get), 0
+        return longer, num_restored
+
     def bring_back_all(
         self,
         pool: BlockPool,
